@@ -1,0 +1,128 @@
+"""The `mlxserve` command line.
+
+Flags override `MLXSERVE_*` variables, which override the config file. Every
+operator mistake ends as one line on stderr and exit code 2.
+"""
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from mlxserve.errors import UsageError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line, not the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="config file (TOML); see config.toml")
+    parser.add_argument(
+        "--cluster",
+        metavar="CHIPS",
+        help="plan for a simulated cluster, e.g. 'Apple M3 Ultra,Apple M5 Max' "
+        "(per rank: CHIP[:macos=V][:mlx=V]; 'cpu' for a Linux CPU rank)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=["auto", "ring", "jaccl", "mpi", "nccl"],
+        help="distributed backend of the (simulated) cluster",
+    )
+    parser.add_argument(
+        "--nax-moe-policy",
+        choices=["auto", "skip", "full"],
+        help="force the NAX MoE kernel on ranks with a NAX path (default: auto, the rules)",
+    )
+    parser.add_argument(
+        "--policy",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a plan decision; KEY@RANK=VALUE for one rank (repeatable)",
+    )
+
+
+def _cli_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The CLI layer of the settings: only what was given on the command line."""
+    values: dict[str, Any] = {"policy": {}, "cluster": {}}
+    if getattr(args, "cluster", None):
+        from mlxserve.hardware.simulate import parse_cluster_spec
+
+        values["cluster"]["simulate"] = parse_cluster_spec(args.cluster)
+    if getattr(args, "backend", None):
+        values["cluster"]["backend"] = args.backend
+    if getattr(args, "nax_moe_policy", None):
+        values["policy"]["nax_moe"] = args.nax_moe_policy
+    if getattr(args, "policy", None):
+        values["policy"]["overrides"] = args.policy
+    return {key: value for key, value in values.items() if value}
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    from mlxserve.hardware.probe import probe_local
+
+    summary = probe_local().summary()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        width = max(len(key) for key in summary)
+        for key, value in summary.items():
+            print(f"{key.ljust(width)}  {value}")
+    return 0
+
+
+def _cmd_policy_explain(args: argparse.Namespace) -> int:
+    from mlxserve.config import load_settings
+    from mlxserve.policy.build import build_plan
+    from mlxserve.policy.explain import explain_text
+
+    settings = load_settings(args.config, _cli_settings(args))
+    plan, _ = build_plan(settings)
+    if args.json:
+        print(json.dumps(plan.document(), indent=2))
+    else:
+        print(explain_text(plan))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mlxserve", description=__doc__.splitlines()[0] if __doc__ else None)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    probe = commands.add_parser("probe", help="show this machine's hardware profile")
+    probe.add_argument("--json", action="store_true", help="print JSON")
+    probe.set_defaults(handler=_cmd_probe)
+
+    policy = commands.add_parser("policy", help="inspect the kernel-policy plan")
+    policy_commands = policy.add_subparsers(
+        dest="policy_command", metavar="COMMAND", parser_class=_Parser
+    )
+    policy_commands.required = True
+    explain = policy_commands.add_parser("explain", help="print the plan and why")
+    _add_config_flags(explain)
+    explain.add_argument("--json", action="store_true", help="print the plan as JSON")
+    explain.set_defaults(handler=_cmd_policy_explain)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except UsageError as exc:
+        print(f"mlxserve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

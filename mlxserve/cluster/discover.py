@@ -1,0 +1,106 @@
+"""Find out which cluster this process belongs to: simulated, distributed or alone.
+
+- `[cluster] simulate` (or `--cluster`) lists every rank: plan for that cluster.
+- Under `mlx.launch` (MLX_RANK is set) the ranks probe themselves and exchange
+  profiles; `[cluster] simulate_self` presents this rank as a named chip, for tests.
+- Otherwise the cluster is this machine alone.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxserve.cluster.composition import Backend, Cluster
+from mlxserve.cluster.exchange import gather_profiles
+from mlxserve.config import ClusterSettings
+from mlxserve.errors import UsageError
+from mlxserve.hardware.probe import package_version, probe_local
+from mlxserve.hardware.profile import RankProfile
+from mlxserve.hardware.simulate import SimulatedRank, parse_cluster_spec, simulated_profile
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The cluster and where this process sits in it."""
+
+    cluster: Cluster
+    rank: int
+    group: Any = None  # the mlx.core.distributed.Group in a real distributed run
+
+
+def discover(settings: ClusterSettings) -> Membership:
+    if settings.simulate:
+        return Membership(simulated_cluster(settings), rank=_env_rank() or 0)
+    if "MLX_RANK" in os.environ:
+        return _distributed(settings)
+    local = _self_profile(settings, rank=0)
+    return Membership(Cluster(ranks=[local], backend="none", wires=1), rank=0)
+
+
+def simulated_cluster(settings: ClusterSettings) -> Cluster:
+    specs = [_as_spec(item) for item in settings.simulate]
+    mlx_version, mlx_lm_version = _local_versions()
+    profiles = [simulated_profile(i, s, mlx_version, mlx_lm_version) for i, s in enumerate(specs)]
+    backend: Backend
+    if len(profiles) == 1:
+        backend = "none"
+    elif settings.backend != "auto":
+        backend = settings.backend
+    else:
+        backend = "jaccl" if all(p.device_type == "metal" for p in profiles) else "ring"
+    return Cluster(ranks=profiles, backend=backend, wires=settings.wires or 1)
+
+
+def _distributed(settings: ClusterSettings) -> Membership:
+    import mlx.core as mx
+
+    backend: Backend = "ring" if settings.backend == "auto" else settings.backend
+    if settings.backend == "auto" and "MLX_JACCL_COORDINATOR" in os.environ:
+        backend = "jaccl"
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as exc:
+        raise UsageError(f"cannot join the {backend} cluster: {exc}") from None
+    rank = group.rank()
+    profiles = gather_profiles(group, _self_profile(settings, rank))
+    wires = settings.wires or _hostfile_wires(rank)
+    return Membership(Cluster(ranks=profiles, backend=backend, wires=wires), rank=rank, group=group)
+
+
+def _self_profile(settings: ClusterSettings, rank: int) -> RankProfile:
+    if settings.simulate_self is None:
+        return probe_local()
+    mlx_version, mlx_lm_version = _local_versions()
+    return simulated_profile(rank, _as_spec(settings.simulate_self), mlx_version, mlx_lm_version)
+
+
+def _as_spec(item: str | SimulatedRank) -> SimulatedRank:
+    if isinstance(item, SimulatedRank):
+        return item
+    specs = parse_cluster_spec(item)
+    if len(specs) != 1:
+        raise UsageError(f"cluster.simulate: one rank per entry, got {item!r}")
+    return specs[0]
+
+
+def _local_versions() -> tuple[str, str]:
+    return package_version("mlx"), package_version("mlx-lm")
+
+
+def _env_rank() -> int | None:
+    text = os.environ.get("MLX_RANK")
+    return int(text) if text and text.isdigit() else None
+
+
+def _hostfile_wires(rank: int) -> int:
+    """Links per rank in a ring hostfile (a JSON list of address lists), else 1."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return 1
+    try:
+        hosts = json.loads(Path(path).read_text(encoding="utf-8"))
+        return max(1, len(hosts[rank]))
+    except (OSError, ValueError, IndexError, TypeError):
+        return 1

@@ -1,0 +1,78 @@
+"""Probe the machine this rank runs on."""
+
+import os
+import platform
+import socket
+import subprocess
+from importlib.metadata import PackageNotFoundError, version
+
+from mlxserve.hardware.profile import DeviceType, RankProfile
+
+
+def probe_local() -> RankProfile:
+    """This rank's profile, as MLX sees it. Imports MLX, so call it only when needed."""
+    import mlx.core as mx
+
+    info = {str(k): v for k, v in mx.device_info().items()}
+    device_type = _device_type(mx)
+    is_mac = platform.system() == "Darwin"
+    arch = info.get("architecture")
+    return RankProfile(
+        hostname=socket.gethostname(),
+        chip=_chip_name(is_mac),
+        gpu_architecture=str(arch) if arch and str(arch).startswith("applegpu") else None,
+        device_type=device_type,
+        os_name="macOS" if is_mac else platform.system(),
+        os_version=platform.mac_ver()[0] if is_mac else platform.release(),
+        mlx_version=package_version("mlx"),
+        mlx_lm_version=package_version("mlx-lm"),
+        memory_bytes=int(info.get("memory_size") or _physical_memory()),
+        # Official macOS wheels are built with the NAX kernels; only Metal has them.
+        mlx_nax_build=device_type == "metal",
+    )
+
+
+def package_version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _device_type(mx: object) -> DeviceType:
+    core = mx  # mlx.core, passed in so this module imports MLX lazily
+    if getattr(core, "cuda", None) is not None and core.cuda.is_available():  # type: ignore[attr-defined]
+        return "cuda"
+    if core.metal.is_available():  # type: ignore[attr-defined]
+        return "metal"
+    return "cpu"
+
+
+def _chip_name(is_mac: bool) -> str:
+    if is_mac:
+        try:
+            out = subprocess.run(
+                ["sysctl", "-n", "machdep.cpu.brand_string"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+                check=True,
+            )
+            return out.stdout.strip() or "Apple (unknown)"
+        except (OSError, subprocess.SubprocessError):
+            return "Apple (unknown)"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

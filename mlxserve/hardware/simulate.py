@@ -1,0 +1,77 @@
+"""Simulated ranks: named by chip, so every policy decision is testable anywhere."""
+
+from pydantic import BaseModel, ConfigDict
+
+from mlxserve.errors import UsageError
+from mlxserve.hardware.catalog import lookup_chip
+from mlxserve.hardware.profile import NAX_MIN_MACOS, RankProfile
+
+# A chip name that means "a Linux machine running MLX on its CPU".
+CPU_CHIP = "cpu"
+
+
+class SimulatedRank(BaseModel):
+    """One simulated rank: a chip and, optionally, the macOS and mlx it runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chip: str
+    macos: str | None = None
+    mlx: str | None = None
+
+
+def parse_cluster_spec(text: str) -> list[SimulatedRank]:
+    """Parse `--cluster`: ranks separated by commas, each `CHIP[:macos=V][:mlx=V]`."""
+    ranks = []
+    for item in text.split(","):
+        parts = [part.strip() for part in item.split(":")]
+        if not parts[0]:
+            raise UsageError(f"--cluster: empty rank in {text!r}")
+        fields: dict[str, str] = {"chip": parts[0]}
+        for part in parts[1:]:
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("macos", "mlx") or not value:
+                raise UsageError(f"--cluster: bad field {part!r} (expected macos=V or mlx=V)")
+            fields[key] = value
+        ranks.append(SimulatedRank(**fields))
+    return ranks
+
+
+def simulated_profile(
+    rank: int, spec: SimulatedRank, local_mlx: str, local_mlx_lm: str
+) -> RankProfile:
+    """The profile a probe would report on that chip.
+
+    Defaults follow the common case: an Apple rank on a macOS recent enough
+    for NAX, running this machine's mlx and mlx-lm.
+    """
+    if spec.chip.strip().lower() == CPU_CHIP:
+        if spec.macos is not None:
+            raise UsageError(f"simulated rank {rank}: a cpu rank runs Linux, not macOS")
+        return RankProfile(
+            hostname=f"sim-rank{rank}",
+            chip="Linux CPU",
+            gpu_architecture=None,
+            device_type="cpu",
+            os_name="Linux",
+            os_version="6.1",
+            mlx_version=spec.mlx or local_mlx,
+            mlx_lm_version=local_mlx_lm,
+            memory_bytes=64 << 30,
+            mlx_nax_build=False,
+            simulated=True,
+        )
+    facts = lookup_chip(spec.chip)
+    return RankProfile(
+        hostname=f"sim-rank{rank}",
+        chip=facts.name,
+        gpu_architecture=facts.gpu_architecture,
+        device_type="metal",
+        os_name="macOS",
+        os_version=spec.macos or str(NAX_MIN_MACOS),
+        mlx_version=spec.mlx or local_mlx,
+        mlx_lm_version=local_mlx_lm,
+        memory_bytes=128 << 30,
+        mlx_nax_build=True,
+        simulated=True,
+    )

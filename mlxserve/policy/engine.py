@@ -1,0 +1,118 @@
+"""Evaluate rules over a cluster into a plan.
+
+For each decision and each target (every rank, or the world), the matching
+rule of highest priority decides (ties: the rule id that sorts first, so the
+result never depends on file order). Overrides then replace values and are
+recorded; an override that contradicts a hazard rule adds a warning naming it.
+"""
+
+from mlxserve.cluster.composition import Cluster
+from mlxserve.errors import UsageError
+from mlxserve.policy.conditions import conditions_hold
+from mlxserve.policy.decisions import DECISIONS, DecisionSpec
+from mlxserve.policy.plan import OVERRIDE_RULE, Decision, Override, Plan, RankPlan, Warning_
+from mlxserve.policy.rules import Rule, RuleSet
+
+
+def evaluate(cluster: Cluster, ruleset: RuleSet, overrides: list[Override]) -> Plan:
+    by_id = {rule.id: rule for rule in ruleset.rules}
+    warnings: list[Warning_] = []
+    ranks = []
+    for rank, profile in enumerate(cluster.ranks):
+        matching = [
+            r for r in ruleset.rules if r.scope == "rank" and conditions_hold(r.when, cluster, rank)
+        ]
+        decisions = _decide(matching, "rank", f"rank {rank}")
+        ranks.append(RankPlan(rank=rank, profile=profile.summary(), decisions=decisions))
+    matching_world = [
+        r for r in ruleset.rules if r.scope == "world" and conditions_hold(r.when, cluster, None)
+    ]
+    world = _decide(matching_world, "world", "the cluster")
+    for rule in sorted(matching_world, key=lambda r: r.id):
+        if rule.warn:
+            warnings.append(Warning_(rule=rule.id, message=rule.warn))
+
+    applied = [_apply(o, ranks, world, by_id, warnings, cluster.world_size) for o in overrides]
+    plan = Plan(
+        simulated=cluster.simulated,
+        world_size=cluster.world_size,
+        backend=cluster.backend,
+        wires=cluster.wires,
+        composition=cluster.composition,
+        ranks=ranks,
+        world=world,
+        overrides=applied,
+        warnings=warnings,
+        rule_files=ruleset.sources,
+    )
+    return plan.with_hash()
+
+
+def _decide(matching: list[Rule], scope: str, target: str) -> dict[str, Decision]:
+    decisions = {}
+    for key, spec in DECISIONS.items():
+        if spec.scope != scope:
+            continue
+        candidates = [r for r in matching if key in r.decide]
+        if not candidates:
+            raise UsageError(f"no rule decides {key} for {target}; add a default rule for it")
+        winner = min(candidates, key=lambda r: (-r.priority, r.id))
+        decisions[key] = Decision(value=winner.decided(key), rule=winner.id, reason=winner.reason)
+    return decisions
+
+
+def _apply(
+    override: Override,
+    ranks: list[RankPlan],
+    world: dict[str, Decision],
+    rules: dict[str, Rule],
+    warnings: list[Warning_],
+    world_size: int,
+) -> Override:
+    spec = DECISIONS[override.key]
+    if spec.scope == "world":
+        world[override.key] = _overridden(
+            world[override.key], override, spec, rules, warnings, None
+        )
+        return override
+    if override.rank is not None and override.rank >= world_size:
+        raise UsageError(
+            f"{override.source}: rank {override.rank} does not exist (world size {world_size})"
+        )
+    targets = [override.rank] if override.rank is not None else list(range(world_size))
+    applied_to = []
+    for rank in targets:
+        current = ranks[rank].decisions[override.key]
+        if current.rule in rules and not rules[current.rule].overridable:
+            continue  # a physical fact (e.g. no NAX path), not a choice
+        ranks[rank].decisions[override.key] = _overridden(
+            current, override, spec, rules, warnings, rank
+        )
+        applied_to.append(rank)
+    return override.model_copy(update={"applied_to": applied_to})
+
+
+def _overridden(
+    current: Decision,
+    override: Override,
+    spec: DecisionSpec,
+    rules: dict[str, Rule],
+    warnings: list[Warning_],
+    rank: int | None,
+) -> Decision:
+    decided_by = rules.get(current.rule)
+    where = "" if rank is None else f" on rank {rank}"
+    if decided_by is not None and decided_by.hazard and current.value != override.value:
+        warnings.append(
+            Warning_(
+                rule=decided_by.id,
+                message=f"override {spec.key}={override.value}{where} contradicts hazard rule "
+                f"{decided_by.id} ({decided_by.title}), which chose {current.value}",
+            )
+        )
+    return Decision(
+        value=override.value,
+        rule=OVERRIDE_RULE,
+        reason=f"operator override ({override.source}); rules chose {current.value} "
+        f"by {current.rule}",
+    )

@@ -1,0 +1,47 @@
+"""Render a plan for people: one row per rank, then the world, overrides, warnings."""
+
+from mlxserve.policy.decisions import DECISIONS
+from mlxserve.policy.plan import Plan
+
+
+def explain_text(plan: Plan) -> str:
+    kind = "simulated cluster" if plan.simulated else "cluster"
+    lines = [
+        f"policy plan {plan.plan_hash[:12]}  ({kind}: {plan.world_size} rank(s), "
+        f"backend {plan.backend}, {plan.composition.replace('_', ' ')})",
+        "",
+    ]
+    rank_keys = [k for k, spec in DECISIONS.items() if spec.scope == "rank"]
+    header = ["rank", "chip", "NAX", "mlx", *rank_keys]
+    rows = [header]
+    for rank in plan.ranks:
+        profile = rank.profile
+        chip = str(profile["chip"]) + (" (simulated)" if profile.get("simulated") else "")
+        cells = [
+            str(rank.rank),
+            chip,
+            "yes" if profile["nax"] else "no",
+            str(profile["mlx_version"]),
+        ]
+        cells += [f"{rank.decisions[k].value} [{rank.decisions[k].rule}]" for k in rank_keys]
+        rows.append(cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    lines.append("")
+    for key, decision in plan.world.items():
+        lines.append(f"{key}: {decision.value} [{decision.rule}]")
+    lines.append("")
+    lines.append("why:")
+    reasons: dict[str, str] = {}
+    for rank in plan.ranks:
+        reasons.update({d.rule: d.reason for d in rank.decisions.values()})
+    reasons.update({d.rule: d.reason for d in plan.world.values()})
+    lines += [f"  {rule}: {reason}" for rule, reason in sorted(reasons.items())]
+    for override in plan.overrides:
+        target = "all ranks" if override.rank is None else f"rank {override.rank}"
+        lines.append(f"override: {override.key}={override.value} on {target} ({override.source})")
+    lines += [f"WARNING [{w.rule}]: {w.message}" for w in plan.warnings]
+    return "\n".join(lines)

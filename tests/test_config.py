@@ -1,0 +1,77 @@
+"""Settings: file < environment < CLI, and one-line errors that name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from mlxserve.config import load_settings
+from mlxserve.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("MLXSERVE_"):
+            monkeypatch.delenv(name)
+
+
+def test_shipped_config_loads() -> None:
+    settings = load_settings(REPO / "config.toml")
+    assert settings.model == "demo"
+    assert settings.policy.nax_moe == "auto"
+    assert settings.cluster.simulate == []
+
+
+def test_precedence_file_env_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[policy]\nnax_moe = "full"\n[cluster]\nwires = 2\n')
+    assert load_settings(path).policy.nax_moe == "full"
+    monkeypatch.setenv("MLXSERVE_POLICY__NAX_MOE", "skip")
+    settings = load_settings(path)
+    assert settings.policy.nax_moe == "skip"
+    assert settings.cluster.wires == 2  # untouched keys of the file stay
+    assert load_settings(path, {"policy": {"nax_moe": "auto"}}).policy.nax_moe == "auto"
+
+
+def test_simulated_ranks_as_strings_and_tables(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        '[cluster]\nsimulate = ["Apple M3 Ultra", {chip = "Apple M5 Max", macos = "26.1"}]\n'
+    )
+    simulate = load_settings(path).cluster.simulate
+    assert simulate[0] == "Apple M3 Ultra"
+    assert getattr(simulate[1], "macos", None) == "26.1"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[policy]\nnax_mo = "full"\n', r"c\.toml: unknown key 'policy\.nax_mo'$"),
+        ("colour = 1\n", r"c\.toml: unknown key 'colour'$"),
+        ('[policy]\nnax_moe = "fast"\n', r"c\.toml: invalid value for 'policy\.nax_moe'"),
+        ('[cluster]\nwires = "two"\n', r"c\.toml: invalid value for 'cluster\.wires'"),
+        ("[cluster]\nwires = -1\n", r"c\.toml: invalid value for 'cluster\.wires'"),
+        ("[cluster\n", r"c\.toml: not valid TOML"),
+    ],
+)
+def test_bad_config_files(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=message) as info:
+        load_settings(path)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="config file not found"):
+        load_settings(tmp_path / "nope.toml")
+
+
+def test_bad_environment_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXSERVE_POLICY__NAX_MOE", "fast")
+    with pytest.raises(UsageError, match="MLXSERVE_POLICY__NAX_MOE"):
+        load_settings(None)
