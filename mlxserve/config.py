@@ -14,6 +14,7 @@ from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -48,13 +49,13 @@ class ClusterSettings(_Section):
     )
     simulate_self: str | SimulatedRank | None = Field(
         None,
-        description="In a distributed run, present this rank as the named chip instead of "
-        "probing it (for testing plans on real ranks).",
+        description="Present this rank as the named chip instead of probing it (for testing "
+        "plans on real ranks; also applies to a single machine).",
     )
     backend: Literal["auto", "ring", "jaccl", "mpi", "nccl"] = Field(
         "auto",
-        description="Distributed backend. auto: the one MLX initialised; for a simulated "
-        "cluster of Macs, jaccl, else ring.",
+        description="Distributed backend. auto: under mlx.launch, jaccl when MLX_JACCL_COORDINATOR "
+        "is set, else ring; for a simulated cluster of Macs, jaccl, else ring.",
     )
     wires: int = Field(
         0,
@@ -109,6 +110,9 @@ def load_settings(path: Path | None = None, cli: dict[str, Any] | None = None) -
         return Settings(**(cli or {}))
     except ValidationError as exc:
         raise UsageError(_describe(exc, path, file_data)) from None
+    except SettingsError as exc:
+        # e.g. a list-valued MLXSERVE_* variable that is not JSON
+        raise UsageError(f"environment: {exc} (lists and tables are written as JSON)") from None
     finally:
         _CONFIG_FILE.clear()
 

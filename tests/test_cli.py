@@ -139,3 +139,20 @@ def test_refused_plan_is_explained_not_started() -> None:
     )
     assert run.returncode == 0
     assert "startup: refuse [jaccl-mesh-allreduce-race]" in run.stdout
+
+
+def test_closed_pipe_is_not_a_crash() -> None:
+    many = ",".join(["Apple M5 Max"] * 100)
+    with subprocess.Popen(
+        # 100 ranks of JSON overflow the pipe buffer, so the write must meet the closed pipe.
+        [sys.executable, "-m", "mlxserve", "policy", "explain", "--json", "--cluster", many],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.read(10)
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        assert proc.wait(timeout=60) == 0
+    assert "Traceback" not in err

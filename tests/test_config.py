@@ -75,3 +75,11 @@ def test_bad_environment_value_names_the_variable(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("MLXSERVE_POLICY__NAX_MOE", "fast")
     with pytest.raises(UsageError, match="MLXSERVE_POLICY__NAX_MOE"):
         load_settings(None)
+
+
+def test_list_variable_that_is_not_json_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXSERVE_POLICY__OVERRIDES", "nax_moe=full")
+    with pytest.raises(UsageError, match="written as JSON"):
+        load_settings(None)
+    monkeypatch.setenv("MLXSERVE_POLICY__OVERRIDES", '["nax_moe=full"]')
+    assert load_settings(None).policy.overrides == ["nax_moe=full"]

@@ -23,6 +23,11 @@ def evaluate(cluster: Cluster, ruleset: RuleSet, overrides: list[Override]) -> P
             r for r in ruleset.rules if r.scope == "rank" and conditions_hold(r.when, cluster, rank)
         ]
         decisions = _decide(matching, "rank", f"rank {rank}")
+        warnings += [
+            Warning_(rule=r.id, message=f"rank {rank}: {r.warn}")
+            for r in sorted(matching, key=lambda r: r.id)
+            if r.warn
+        ]
         ranks.append(RankPlan(rank=rank, profile=profile.summary(), decisions=decisions))
     matching_world = [
         r for r in ruleset.rules if r.scope == "world" and conditions_hold(r.when, cluster, None)

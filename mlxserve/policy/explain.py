@@ -1,7 +1,7 @@
 """Render a plan for people: one row per rank, then the world, overrides, warnings."""
 
 from mlxserve.policy.decisions import DECISIONS
-from mlxserve.policy.plan import Plan
+from mlxserve.policy.plan import OVERRIDE_RULE, Plan
 
 
 def explain_text(plan: Plan) -> str:
@@ -39,9 +39,15 @@ def explain_text(plan: Plan) -> str:
     for rank in plan.ranks:
         reasons.update({d.rule: d.reason for d in rank.decisions.values()})
     reasons.update({d.rule: d.reason for d in plan.world.values()})
+    reasons.pop(OVERRIDE_RULE, None)
     lines += [f"  {rule}: {reason}" for rule, reason in sorted(reasons.items())]
     for override in plan.overrides:
-        target = "all ranks" if override.rank is None else f"rank {override.rank}"
+        if override.applied_to is None:
+            target = "the cluster"
+        elif override.applied_to:
+            target = "rank(s) " + ", ".join(str(r) for r in override.applied_to)
+        else:
+            target = "no rank (the targeted decisions are not overridable)"
         lines.append(f"override: {override.key}={override.value} on {target} ({override.source})")
     lines += [f"WARNING [{w.rule}]: {w.message}" for w in plan.warnings]
     return "\n".join(lines)

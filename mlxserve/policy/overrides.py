@@ -1,4 +1,9 @@
-"""Operator overrides: `--nax-moe-policy`, `--policy KEY=VALUE` and `KEY@RANK=VALUE`."""
+"""Operator overrides: `--nax-moe-policy`, `--policy KEY=VALUE` and `KEY@RANK=VALUE`.
+
+An override's source names the setting it came from (`policy.nax_moe` or
+`policy.overrides`), which the config file, `MLXSERVE_POLICY__*` and the CLI
+flags all feed.
+"""
 
 from mlxserve.errors import UsageError
 from mlxserve.policy.decisions import decision_spec
@@ -30,8 +35,8 @@ def collect_overrides(nax_moe: str, generic: list[str]) -> list[Override]:
     """All overrides, in the order they apply (later ones win)."""
     overrides = []
     if nax_moe != "auto":
-        overrides.append(parse_override(f"nax_moe={nax_moe}", "--nax-moe-policy"))
-    overrides.extend(parse_override(text, "--policy") for text in generic)
+        overrides.append(parse_override(f"nax_moe={nax_moe}", "policy.nax_moe"))
+    overrides.extend(parse_override(text, "policy.overrides") for text in generic)
     return overrides
 
 

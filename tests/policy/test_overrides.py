@@ -19,7 +19,7 @@ def test_force_skip_on_mixed_cluster_warns_and_keeps_non_nax_rank_off(plan_for: 
     (override,) = plan.overrides
     assert (override.key, override.value, override.rank) == ("nax_moe", "skip", None)
     assert override.applied_to == [1]
-    assert override.source == "--nax-moe-policy"
+    assert override.source == "policy.nax_moe"
 
 
 def test_force_full_on_homogeneous_cluster_is_silent(plan_for: PlanFor) -> None:

@@ -81,3 +81,19 @@ def test_rules_without_a_default_are_caught_at_evaluation(tmp_path: Path) -> Non
     cluster = simulated_cluster(ClusterSettings(simulate=["cpu"]))
     with pytest.raises(UsageError, match="no rule decides moe_rows_per_expert_min for rank 0"):
         evaluate(cluster, load_rules(_write(tmp_path, GOOD)), [])
+
+
+def test_rank_rule_warnings_name_the_rank(tmp_path: Path) -> None:
+    from mlxserve.cluster.discover import simulated_cluster
+    from mlxserve.config import ClusterSettings
+    from mlxserve.policy.engine import evaluate
+
+    for name in ("nax_moe.toml", "prefill_step.toml", "distributed.toml", "watchdog.toml"):
+        (tmp_path / name).write_text((builtin_rules_dir() / name).read_text())
+    (tmp_path / "extra.toml").write_text(
+        GOOD.replace('id = "r1"', 'id = "m3-note"')
+        + 'warn = "an M3 rank"\nwhen = { chips = ["Apple M3 Ultra"] }\n'
+    )
+    cluster = simulated_cluster(ClusterSettings(simulate=["Apple M5 Max", "Apple M3 Ultra"]))
+    plan = evaluate(cluster, load_rules(tmp_path), [])
+    assert [(w.rule, w.message) for w in plan.warnings] == [("m3-note", "rank 1: an M3 rank")]
