@@ -1,0 +1,167 @@
+"""DeepSeek-V4 attention: shared-KV MQA over a sliding window plus compressed entries.
+
+All three layer types share the core: a low-rank query with a per-head weightless
+RMSNorm, one K=V head (``wkv`` + ``norm``), partial interleaved RoPE, learned
+per-head sinks, scale ``head_dim**-0.5`` and a grouped low-rank output projection
+(``wo_a`` per group, then ``wo_b``). Since K=V carries RoPE, the output gets the
+inverse rotation at the query position.
+
+* sliding: keys are the last ``sliding_window`` positions (the query included).
+* HCA (ratio 128): plus every causally complete compressed entry.
+* CSA (ratio 4): plus the ``index_topk`` entries the indexer picks per query.
+
+The window and the compressed keys go through one fused SDPA call with a boolean mask.
+For a single decoding query whose indexer picks a subset, the picked entries are
+gathered instead, so decoding cost does not grow with the number of entries.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx.nn.layers.linear import Linear
+from mlx.nn.layers.normalization import RMSNorm
+from mlx_lm.models.switch_layers import SwitchLinear
+
+from .cache import LayerCache
+from .compressor import Compressor
+from .config import CSA, SLIDING, ModelArgs
+from .indexer import Indexer, visible_entries
+from .rope import PartialRoPE
+
+
+def window_mask(start: int, length: int, previous: int, window: int) -> mx.array:
+    """[S, previous + S] mask of the window rows each query sees (itself included)."""
+    query = start + mx.arange(length)[:, None]
+    key = start - previous + mx.arange(previous + length)[None, :]
+    return (key <= query) & (query - key < window)
+
+
+def selection_mask(chosen: mx.array, num_entries: int) -> mx.array:
+    """[B, S, N] mask with the indexer's picks (ids of -1 pick nothing)."""
+    batch, length, _ = chosen.shape
+    safe = mx.where(chosen >= 0, chosen, num_entries)
+    mask = mx.zeros((batch, length, num_entries + 1), dtype=mx.bool_)
+    mask = mx.put_along_axis(mask, safe, mx.array(True), axis=-1)
+    return mask[..., :num_entries]
+
+
+class Attention(Module):
+    """One attention block; parameter names follow DeepSeek's checkpoint."""
+
+    def __init__(self, args: ModelArgs, layer_type: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.layer_type = layer_type
+        self.num_heads = args.num_attention_heads
+        self.head_dim = args.head_dim
+        self.o_groups = args.o_groups
+        self.sliding_window = args.sliding_window
+        self.eps = args.rms_norm_eps
+        self.ratio = args.compress_ratio(layer_type)
+        assert args.qk_rope_head_dim is not None and args.rope_parameters is not None
+
+        self.wq_a = Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
+        self.wq_b = Linear(args.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.wkv = Linear(args.hidden_size, self.head_dim, bias=False)
+        self.norm = RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        # wo_a is block diagonal, one [o_lora_rank, heads * head_dim / groups] per group;
+        # SwitchLinear keeps it quantisable and shardable along the group axis.
+        self.wo_a = SwitchLinear(
+            self.num_heads * self.head_dim // self.o_groups,
+            args.o_lora_rank,
+            self.o_groups,
+            bias=False,
+        )
+        self.wo_b = Linear(self.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.attn_sink = mx.zeros((self.num_heads,), dtype=mx.float32)
+        self._group_ids = mx.arange(self.o_groups)[None]
+
+        rope_key = "main" if layer_type == SLIDING else "compress"
+        self.rope = PartialRoPE(
+            args.rope_parameters[rope_key], args.qk_rope_head_dim, args.max_position_embeddings
+        )
+        if layer_type != SLIDING:
+            self.compressor = Compressor(
+                args.hidden_size,
+                self.head_dim,
+                self.ratio,
+                overlap=layer_type == CSA,
+                eps=args.rms_norm_eps,
+            )
+        if layer_type == CSA:
+            self.indexer = Indexer(args)
+
+    def make_cache(self, max_rollback: int = 0) -> LayerCache:
+        states = {}
+        if self.layer_type != SLIDING:
+            states["compressor"] = self.compressor.make_state()
+        if self.layer_type == CSA:
+            states["indexer"] = self.indexer.compressor.make_state()
+        return LayerCache(self.sliding_window, states, max_rollback=max_rollback)
+
+    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
+        batch, length, _ = x.shape
+        start = cache.offset
+        q_residual = self.q_norm(self.wq_a(x))
+        q = self.wq_b(q_residual).reshape(batch, length, self.num_heads, self.head_dim)
+        q = mx.fast.rms_norm(q, None, self.eps).swapaxes(1, 2)  # [B, H, S, D]
+        q = self.rope(q, offset=start)
+
+        kv = self.rope(self.norm(self.wkv(x)), offset=start)  # [B, S, D]
+        previous = 0 if cache.window is None else int(cache.window.shape[1])
+        previous = min(previous, self.sliding_window - 1)
+        keys = cache.update_window(kv)
+        keys = keys[:, keys.shape[1] - previous - length :]
+        mask = mx.broadcast_to(
+            window_mask(start, length, previous, self.sliding_window),
+            (batch, length, previous + length),
+        )
+
+        if self.layer_type != SLIDING:
+            keys, mask = self._add_compressed(x, q_residual, cache, keys, mask)
+        cache.advance(length)
+
+        out = mx.fast.scaled_dot_product_attention(
+            q,
+            keys[:, None],
+            keys[:, None],
+            scale=self.head_dim**-0.5,
+            mask=mask[:, None],
+            sinks=self.attn_sink.astype(q.dtype),
+        )
+        out = self.rope(out, offset=start, inverse=True).swapaxes(1, 2)  # [B, S, H, D]
+        out = out.reshape(batch * length, self.o_groups, 1, -1)
+        out = self.wo_a(out, self._group_ids)
+        return self.wo_b(out.reshape(batch, length, -1))
+
+    def _add_compressed(
+        self,
+        x: mx.array,
+        q_residual: mx.array,
+        cache: LayerCache,
+        keys: mx.array,
+        mask: mx.array,
+    ) -> tuple[mx.array, mx.array]:
+        """Append this layer's compressed entries to the keys and extend the mask."""
+        batch, length, _ = x.shape
+        start = cache.offset
+        entries = self.compressor(x, cache.compressors["compressor"], start, self.rope)
+        chosen = None
+        if self.layer_type == CSA:
+            chosen = self.indexer(x, q_residual, cache.compressors["indexer"], start, self.rope)
+        if entries is None:
+            return keys, mask
+        num = int(entries.shape[1])
+        if chosen is None:
+            visible = mx.arange(num)[None, :] < visible_entries(start, length, self.ratio)
+            extra = mx.broadcast_to(visible, (batch, length, num))
+        elif length == 1:
+            # One query: gather its picks rather than masking all entries.
+            safe = mx.maximum(chosen[:, 0], 0)  # [B, k]
+            entries = mx.take_along_axis(entries, safe[..., None], axis=1)
+            extra = chosen >= 0
+        else:
+            extra = selection_mask(chosen, num)
+        keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+        return keys, mx.concatenate([mask, extra], axis=-1)

@@ -1,0 +1,161 @@
+"""DeepSeek-V4 decoder stack and the ``Model`` that ``mlx_lm`` loads.
+
+``Model.__call__(inputs, cache)`` returns logits like any ``mlx_lm`` model. The forward
+is split so a multi-token-prediction (MTP) head can reuse the trunk:
+
+* ``forward_hidden(inputs, cache)`` returns the residual streams [B, S, hc, D] after
+  the last layer, *before* ``hc_head`` (what DeepSeek's MTP blocks consume);
+* ``head_from_streams(streams)`` applies ``hc_head``, the final norm and ``lm_head``.
+
+MTP weights (``mtp.I.*``) are kept: ``sanitize`` attaches ``MTPBlock`` modules holding
+them (a decoder layer plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and
+``hc_head``), whose forward is left to the MTP implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx.nn.layers.embedding import Embedding
+from mlx.nn.layers.linear import Linear
+from mlx.nn.layers.normalization import RMSNorm
+
+from .attention import Attention
+from .cache import LayerCache
+from .config import ModelArgs
+from .hyper_connections import HyperConnection, HyperHead, collapse, expand
+from .moe import MoE
+from .sanitize import mtp_block_count, sanitize_weights
+from .sharding import shard_model
+
+
+class DecoderLayer(Module):
+    """Attention and MoE blocks, each wrapped in its own hyper-connection."""
+
+    def __init__(self, args: ModelArgs, layer_type: str, mlp_type: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.attn = Attention(args, layer_type)
+        self.ffn = MoE(args, mlp_type)
+        self.attn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # v41's HyperConnection only reads hc_mult, hc_sinkhorn_iters, hc_eps,
+        # rms_norm_eps and hidden_size, which V4's args share.
+        self.hc_attn = HyperConnection(args)  # type: ignore[arg-type]
+        self.hc_ffn = HyperConnection(args)  # type: ignore[arg-type]
+
+    def __call__(self, streams: mx.array, token_ids: mx.array, cache: LayerCache) -> mx.array:
+        # V4 computes each block's collapse weights from the streams entering *that* block.
+        pre, post, comb = self.hc_attn(streams)
+        h = self.attn(self.attn_norm(collapse(streams, pre)), cache)
+        streams = expand(h, streams, post, comb)
+        pre, post, comb = self.hc_ffn(streams)
+        h = self.ffn(self.ffn_norm(collapse(streams, pre)), token_ids)
+        return expand(h, streams, post, comb)
+
+
+class MTPBlock(DecoderLayer):
+    """Holder for one MTP block's weights (DeepSeek names); no forward yet."""
+
+    def __init__(self, args: ModelArgs, layer_type: str) -> None:
+        super().__init__(args, layer_type, "moe")
+        self.e_proj = Linear(args.hidden_size, args.hidden_size, bias=False)
+        self.h_proj = Linear(args.hidden_size, args.hidden_size, bias=False)
+        self.enorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.hnorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.hc_head = HyperHead(args)
+
+
+class TextModel(Module):
+    """Embedding, decoder layers, ``hc_head`` and the final norm."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        assert args.layer_types is not None and args.mlp_layer_types is not None
+        self.hc_mult = args.hc_mult
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [
+            DecoderLayer(args, attn, mlp)
+            for attn, mlp in zip(args.layer_types, args.mlp_layer_types, strict=True)
+        ]
+        self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.hc_head = HyperHead(args)
+
+    def streams(self, inputs: mx.array, cache: list[LayerCache]) -> mx.array:
+        h = self.embed_tokens(inputs)
+        batch, length, dim = h.shape
+        streams = mx.broadcast_to(h[:, :, None, :], (batch, length, self.hc_mult, dim))
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            streams = layer(streams, inputs, layer_cache)
+        return streams
+
+
+class Model(Module):
+    """DeepSeek-V4 causal LM with the ``mlx_lm`` model interface."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.args = args
+        self.model_type = args.model_type
+        self.model = TextModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.mtp: list[MTPBlock] = []
+
+    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+        return self.head_from_streams(self.forward_hidden(inputs, cache))
+
+    def forward_hidden(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+        """Residual streams [B, S, hc_mult, D] after the last layer, before ``hc_head``.
+
+        Without ``cache`` a throw-away one is used, so the result is the same as a
+        prefill from scratch.
+        """
+        return self.model.streams(inputs, cache if cache is not None else self.make_cache())
+
+    def head_from_streams(self, streams: mx.array) -> mx.array:
+        """Logits from residual streams: ``hc_head``, final norm, ``lm_head``."""
+        h = self.model.norm(self.model.hc_head(streams))
+        if self.args.tie_word_embeddings:
+            out: mx.array = self.model.embed_tokens.as_linear(h)  # type: ignore[no-untyped-call]
+            return out
+        logits: mx.array = self.lm_head(h)
+        return logits
+
+    @property
+    def layers(self) -> list[DecoderLayer]:
+        return self.model.layers
+
+    def make_cache(self, max_rollback: int = 0) -> list[LayerCache]:
+        """One cache per layer; ``max_rollback`` > 0 makes the last positions trimmable."""
+        return [layer.attn.make_cache(max_rollback) for layer in self.layers]
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Accept the ``transformers`` / DeepSeek layouts (see ``sanitize.py``).
+
+        MTP tensors are kept; the ``MTPBlock`` modules that receive them are created
+        here, because only the checkpoint tells whether it ships them.
+        """
+        clean = sanitize_weights(weights, self.args.o_groups)
+        count = mtp_block_count(clean)
+        if count and len(self.mtp) != count:
+            types = self.args.mtp_layer_types or []
+            types = (types + ["sliding_attention"] * count)[:count]
+            self.mtp = [MTPBlock(self.args, t) for t in types]
+        return clean
+
+    def shard(self, group: mx.distributed.Group | None = None) -> None:
+        """Tensor parallelism: split heads / output groups and experts' hidden dim."""
+        shard_model(self, group or mx.distributed.init())
+
+    @property
+    def cast_predicate(self) -> Callable[[str], bool]:
+        """Keep the parameters the reference keeps in float32 when casting to fp16/bf16."""
+        keep = ("hc_attn.", "hc_ffn.", "hc_head.", "attn_sink", "gate.bias", "ape", "tid2eid")
+
+        def predicate(key: str) -> bool:
+            return not any(part in key for part in keep)
+
+        return predicate

@@ -1,0 +1,100 @@
+"""Map checkpoint tensors to the parameter names of ``Model``.
+
+Accepted layouts (each may carry a leading ``model.``, as ``transformers``'
+``save_pretrained`` writes it):
+
+* DeepSeek leaf names: ``embed_tokens`` / ``embed``, ``head``, ``norm``,
+  ``hc_head.hc_fn`` / ``hc_head_fn``, ``layers.N.{attn,ffn,attn_norm,ffn_norm,hc_attn_*,
+  hc_ffn_*}`` with one tensor per expert (``ffn.experts.E.w1``), and
+  ``mtp.I.*`` (MTP blocks, same per-layer names plus ``e_proj``, ``h_proj``, ``enorm``,
+  ``hnorm``, ``norm`` and ``hc_head_*``).
+* The output of this function (already converted / quantised MLX checkpoints): it is
+  idempotent.
+
+Experts are stacked into ``switch_mlp.{gate,up,down}_proj`` (w1, w3, w2), the shared
+expert gets ``mlx_lm``'s names, ``wo_a`` is split into its output groups and
+``tid2eid`` becomes int32. FP8 / FP4 packed checkpoints (``.scale`` tensors) are not
+handled yet.
+"""
+
+from __future__ import annotations
+
+import re
+
+import mlx.core as mx
+
+_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+_PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+_BLOCK_RENAMES = (
+    (".hc_attn_fn", ".hc_attn.fn"),
+    (".hc_attn_base", ".hc_attn.base"),
+    (".hc_attn_scale", ".hc_attn.scale"),
+    (".hc_ffn_fn", ".hc_ffn.fn"),
+    (".hc_ffn_base", ".hc_ffn.base"),
+    (".hc_ffn_scale", ".hc_ffn.scale"),
+    (".hc_head_fn", ".hc_head.hc_fn"),
+    (".hc_head_base", ".hc_head.hc_base"),
+    (".hc_head_scale", ".hc_head.hc_scale"),
+    (".shared_experts.w1.", ".shared_experts.gate_proj."),
+    (".shared_experts.w2.", ".shared_experts.down_proj."),
+    (".shared_experts.w3.", ".shared_experts.up_proj."),
+    (".gate.e_score_correction_bias", ".gate.bias"),
+)
+_TOP_LEVEL = {
+    "embed.weight": "model.embed_tokens.weight",
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "lm_head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+    "hc_head.hc_fn": "model.hc_head.hc_fn",
+    "hc_head.hc_base": "model.hc_head.hc_base",
+    "hc_head.hc_scale": "model.hc_head.hc_scale",
+}
+
+
+def _rename(key: str) -> str:
+    if key in _TOP_LEVEL:
+        return _TOP_LEVEL[key]
+    if key.startswith("layers."):
+        key = f"model.{key}"
+    elif not key.startswith("mtp."):
+        raise ValueError(f"Unexpected DeepSeek-V4 checkpoint tensor {key!r}.")
+    for old, new in _BLOCK_RENAMES:
+        key = key.replace(old, new)
+    return key
+
+
+def sanitize_weights(weights: dict[str, mx.array], o_groups: int) -> dict[str, mx.array]:
+    """Return the weights renamed and reshaped for ``Model`` (see the module docstring)."""
+    out: dict[str, mx.array] = {}
+    experts: dict[tuple[str, str], dict[int, mx.array]] = {}
+    for raw_key, value in weights.items():
+        key = raw_key.removeprefix("model.")
+        match = _EXPERT.match(key)
+        if match is not None:
+            kind, block, index, proj = match.groups()
+            experts.setdefault((f"{kind}.{block}", proj), {})[int(index)] = value
+            continue
+        name = _rename(key)
+        if name.endswith(".attn.wo_a.weight") and value.ndim == 2:
+            value = value.reshape(o_groups, -1, value.shape[-1])
+        if name.endswith(".gate.tid2eid"):
+            value = value.astype(mx.int32)
+        out[name] = value
+
+    for (block, proj), rows in experts.items():
+        if sorted(rows) != list(range(len(rows))):
+            raise ValueError(f"{block} has experts {sorted(rows)} for {proj}: some are missing.")
+        prefix = f"model.{block}" if block.startswith("layers.") else block
+        stacked = mx.stack([rows[i] for i in range(len(rows))])
+        out[f"{prefix}.ffn.switch_mlp.{_PROJ[proj]}.weight"] = stacked
+    return out
+
+
+def mtp_block_count(weights: dict[str, mx.array]) -> int:
+    """How many MTP blocks the (sanitised) weights hold."""
+    ids = {int(k.split(".")[1]) for k in weights if k.startswith("mtp.")}
+    return max(ids) + 1 if ids else 0
