@@ -27,9 +27,26 @@ _SOURCES: dict[str, SourceFactory] = {}
 _OWN_MODEL_TYPES = {"deepseek_v4": "mlxserve.models.deepseek_v4"}
 
 
+#: Built-in named sources, registered on first use: name -> "module:function".
+_BUILTIN_SOURCES = {"demo": "mlxserve.models.demo:load_demo"}
+
+
 def register_source(name: str, factory: SourceFactory) -> None:
     """Make ``load(name)`` return ``factory()`` (the hook for e.g. ``load("demo")``)."""
     _SOURCES[name] = factory
+
+
+def _source(name: str) -> SourceFactory | None:
+    """The factory registered for ``name``, registering a built-in one on first use.
+
+    Built-ins are imported only when asked for, so importing this module stays cheap.
+    """
+    if name not in _SOURCES and name in _BUILTIN_SOURCES:
+        import importlib
+
+        module_name, attr = _BUILTIN_SOURCES[name].split(":")
+        register_source(name, getattr(importlib.import_module(module_name), attr))
+    return _SOURCES.get(name)
 
 
 def get_model_classes(config: dict[str, Any]) -> tuple[type[Module], type]:
@@ -80,8 +97,9 @@ def load(
     lazy: bool = False,
 ) -> ModelAndTokenizer:
     """Load ``(model, tokenizer)`` from a registered name, a directory or a HF repo."""
-    if isinstance(path, str) and path in _SOURCES:
-        return _SOURCES[path]()
+    factory = _source(path) if isinstance(path, str) else None
+    if factory is not None:
+        return factory()
     from mlx_lm.utils import load_tokenizer
 
     model_path = _resolve(path)

@@ -68,4 +68,6 @@ class Indexer(Module):
         scores = mx.where(mx.arange(keys.shape[1])[None, :] < visible, scores, -mx.inf)
         k = self.index_topk
         chosen = mx.argpartition(-scores, k - 1, axis=-1)[..., :k].astype(mx.int32)
+        # A discrete selection: no gradient through it (the indexer is not trained here).
+        chosen = mx.stop_gradient(chosen)
         return mx.where(chosen < visible, chosen, -1)

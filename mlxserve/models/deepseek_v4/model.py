@@ -9,7 +9,7 @@ is split so a multi-token-prediction (MTP) head can reuse the trunk:
 
 MTP weights (``mtp.I.*``) are kept: ``sanitize`` attaches ``MTPBlock`` modules holding
 them (a decoder layer plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and
-``hc_head``), whose forward is left to the MTP implementation.
+``hc_head``). ``Model.mtp_forward`` / ``make_mtp_cache`` run them (see ``mtp.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from .cache import LayerCache
 from .config import ModelArgs
 from .hyper_connections import HyperConnection, HyperHead, collapse, expand
 from .moe import MoE
+from .mtp import mtp_forward
 from .sanitize import mtp_block_count, sanitize_weights
 from .sharding import shard_model
 
@@ -56,7 +57,12 @@ class DecoderLayer(Module):
 
 
 class MTPBlock(DecoderLayer):
-    """Holder for one MTP block's weights (DeepSeek names); no forward yet."""
+    """One MTP block (DeepSeek names): a decoder layer plus the MTP input / output parts.
+
+    The block does not own the embedding or the output head (shared with the main
+    model), so its full forward lives in ``mtp.mtp_forward``; ``decode`` is the decoder
+    layer part.
+    """
 
     def __init__(self, args: ModelArgs, layer_type: str) -> None:
         super().__init__(args, layer_type, "moe")
@@ -66,6 +72,10 @@ class MTPBlock(DecoderLayer):
         self.hnorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
+
+    def decode(self, streams: mx.array, token_ids: mx.array, cache: LayerCache) -> mx.array:
+        """The block's decoder layer on its input streams [B, S, hc, D]."""
+        return DecoderLayer.__call__(self, streams, token_ids, cache)
 
 
 class TextModel(Module):
@@ -117,7 +127,10 @@ class Model(Module):
 
     def head_from_streams(self, streams: mx.array) -> mx.array:
         """Logits from residual streams: ``hc_head``, final norm, ``lm_head``."""
-        h = self.model.norm(self.model.hc_head(streams))
+        return self.output_head(self.model.norm(self.model.hc_head(streams)))
+
+    def output_head(self, h: mx.array) -> mx.array:
+        """The output projection alone (shared by the main model and the MTP blocks)."""
         if self.args.tie_word_embeddings:
             out: mx.array = self.model.embed_tokens.as_linear(h)  # type: ignore[no-untyped-call]
             return out
@@ -131,6 +144,21 @@ class Model(Module):
     def make_cache(self, max_rollback: int = 0) -> list[LayerCache]:
         """One cache per layer; ``max_rollback`` > 0 makes the last positions trimmable."""
         return [layer.attn.make_cache(max_rollback) for layer in self.layers]
+
+    @property
+    def num_mtp_blocks(self) -> int:
+        """How many MTP blocks the loaded checkpoint provided (0 if none)."""
+        return len(self.mtp)
+
+    def make_mtp_cache(self, max_rollback: int = 0) -> list[LayerCache]:
+        """One cache per MTP block (empty without MTP); see ``make_cache``."""
+        return [block.attn.make_cache(max_rollback) for block in self.mtp]
+
+    def mtp_forward(
+        self, streams: mx.array, next_tokens: mx.array, cache: LayerCache, block: int = 0
+    ) -> tuple[mx.array, mx.array]:
+        """MTP block ``block``: ``(logits for t + 2, out_streams)``; see ``mtp.mtp_forward``."""
+        return mtp_forward(self, streams, next_tokens, cache, block)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Accept the ``transformers`` / DeepSeek layouts (see ``sanitize.py``).

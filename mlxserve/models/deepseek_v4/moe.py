@@ -60,6 +60,8 @@ class Gate(Module):
         else:
             biased = scores + self.bias.astype(mx.float32)
             chosen = mx.argpartition(-biased, self.top_k - 1, axis=-1)[..., : self.top_k]
+        # The choice is discrete: no gradient flows through it (needed for training).
+        chosen = mx.stop_gradient(chosen)
         weights = mx.take_along_axis(scores, chosen, axis=-1)
         weights = weights / (mx.sum(weights, axis=-1, keepdims=True) + 1e-20)
         return chosen, weights * self.scale
