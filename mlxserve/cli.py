@@ -51,7 +51,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
 
 def _cli_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The CLI layer of the settings: only what was given on the command line."""
-    values: dict[str, Any] = {"policy": {}, "cluster": {}}
+    values: dict[str, Any] = {"policy": {}, "cluster": {}, "speculative": {}, "server": {}}
+    if getattr(args, "model", None):
+        values["model"] = args.model
+    if getattr(args, "speculative_depth", None) is not None:
+        values["speculative"]["depth"] = args.speculative_depth
+    if getattr(args, "host", None):
+        values["server"]["host"] = args.host
+    if getattr(args, "port", None) is not None:
+        values["server"]["port"] = args.port
     if getattr(args, "cluster", None):
         from mlxserve.hardware.simulate import parse_cluster_spec
 
@@ -92,6 +100,59 @@ def _cmd_policy_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from mlxserve.commands.generate import run_generate
+    from mlxserve.config import load_settings
+
+    return run_generate(load_settings(args.config, _cli_settings(args)), args)
+
+
+def _add_generate(commands: Any) -> None:
+    generate = commands.add_parser("generate", help="run one generation through the engine")
+    _add_config_flags(generate)
+    generate.add_argument("--model", help="model directory or 'demo' (default: from config)")
+    generate.add_argument("--prompt", required=True, help="the user message (or raw text)")
+    generate.add_argument("--max-tokens", type=int, default=256, help="default: 256")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    generate.add_argument("--seed", type=int, help="seed for sampling")
+    generate.add_argument(
+        "--speculative-depth",
+        type=int,
+        choices=range(6),
+        metavar="{0..5}",
+        help="MTP draft depth (0: off; default: config, 3 for MTP models)",
+    )
+    generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    generate.add_argument("--json", action="store_true", help="print one JSON document")
+    generate.set_defaults(handler=_cmd_generate)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from mlxserve.commands.serve import run_serve
+    from mlxserve.config import load_settings
+
+    return run_serve(load_settings(args.config, _cli_settings(args)))
+
+
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve the OpenAI-compatible API (also: mlxserve --config F)"
+    )
+    _add_config_flags(serve)
+    serve.add_argument("--model", help="model directory or 'demo' (default: from config)")
+    serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default: 8000; 0: any free port)")
+    serve.add_argument(
+        "--speculative-depth",
+        type=int,
+        choices=range(6),
+        metavar="{0..5}",
+        help="MTP draft depth (0: off; default: config, 3 for MTP models)",
+    )
+    serve.set_defaults(handler=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlxserve", description=__doc__.splitlines()[0] if __doc__ else None)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -110,12 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(explain)
     explain.add_argument("--json", action="store_true", help="print the plan as JSON")
     explain.set_defaults(handler=_cmd_policy_explain)
+    _add_generate(commands)
+    _add_serve(commands)
     return parser
+
+
+def _with_default_command(argv: Sequence[str]) -> list[str]:
+    """`mlxserve --config F` (flags, no command) means `mlxserve serve --config F`."""
+    args = list(argv)
+    if args and args[0].startswith("-") and args[0] not in ("-h", "--help"):
+        return ["serve", *args]
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_with_default_command(sys.argv[1:] if argv is None else argv))
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)

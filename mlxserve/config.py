@@ -9,7 +9,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -65,6 +65,131 @@ class ClusterSettings(_Section):
     )
 
 
+class EngineSettings(_Section):
+    max_running: int = Field(
+        8, ge=1, description="Requests generating at once; more wait in the queue."
+    )
+    prefill_step: int = Field(
+        512,
+        ge=16,
+        description="Prompt tokens per prefill chunk; the plan may raise it (MoE row floor). "
+        "Smaller chunks keep other streams flowing during a long prefill.",
+    )
+    prefix_cache_entries: int = Field(
+        16, ge=0, description="Prompt states kept for exact prefix reuse (0: off)."
+    )
+    prefix_cache_mb: int = Field(
+        1024, ge=0, description="Memory bound of the prefix cache, in MiB."
+    )
+
+
+class SpeculativeSettings(_Section):
+    depth: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description="MTP draft depth, 1-5, or 0 for off. Unset: 3 for models with an MTP "
+        "module, 0 otherwise.",
+    )
+
+
+class ServerSettings(_Section):
+    """The HTTP front: where it listens, who may call it, and how it protects itself."""
+
+    host: str = Field(
+        "127.0.0.1", description="Address to listen on (127.0.0.1: this machine only)."
+    )
+    port: int = Field(8000, ge=0, le=65535, description="TCP port to listen on (0: any free port).")
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Accepted API keys (Bearer tokens) for /v1/*; empty: no auth. "
+        "MLXSERVE_API_KEY adds one more key.",
+    )
+    model_name: str | None = Field(
+        None, description="Model id clients send and /v1/models lists; default: `model`."
+    )
+    max_body_bytes: int = Field(
+        4 << 20, ge=1024, description="Largest request body accepted, in bytes (else 413)."
+    )
+    max_queue: int = Field(
+        64,
+        ge=0,
+        description="Requests waiting for a slot (beyond engine.max_running); more get 429.",
+    )
+    request_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Longest silence from a backend on an in-flight request before the front "
+        "treats that backend as failed and resumes the request on the next one.",
+    )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM / Ctrl-C: how long in-flight requests may finish before they "
+        "are cancelled.",
+    )
+    ready_timeout_s: float = Field(
+        10.0, gt=0, description="Time limit of the one-token health generation."
+    )
+    ready_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often an idle backend is health-checked with a one-token generation; "
+        "/ready fails when the last success is older than three intervals.",
+    )
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="Longest an engine may take to load and say hello."
+    )
+    retry_attempts: int = Field(
+        4, ge=1, description="Backends tried for one request (first try included)."
+    )
+    retry_backoff_s: float = Field(
+        0.2, ge=0, description="First retry delay; doubles per attempt, with jitter."
+    )
+    retry_backoff_max_s: float = Field(5.0, ge=0, description="Largest retry delay.")
+    restart_backoff_s: float = Field(
+        1.0, ge=0, description="First delay before restarting a failed local engine; doubles."
+    )
+    restart_backoff_max_s: float = Field(
+        60.0, ge=0, description="Largest delay between restarts of a failed local engine."
+    )
+    retry_after_s: int = Field(
+        1, ge=1, description="Retry-After (seconds) sent with 429 and 503 answers."
+    )
+    engine_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Extra environment of the primary engine process. MLXSERVE_FAULT_* "
+        "entries (fault injection for tests) apply to its first start only.",
+    )
+
+
+class FallbackSettings(_Section):
+    """One backend tried after the primary: a local engine or another server's URL."""
+
+    name: str | None = Field(None, description="Name in logs and metrics; default: fallbackN.")
+    model: str | None = Field(
+        None, description="Local engine: its model ('demo' or a directory) (exclusive with url)."
+    )
+    policy: list[str] = Field(
+        default_factory=list,
+        description="Local engine: its policy overrides (replace [policy] overrides).",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Local engine: extra environment (MLXSERVE_FAULT_* on first start only).",
+    )
+    url: str | None = Field(
+        None, description="Remote OpenAI-compatible server, e.g. http://127.0.0.1:8001/v1."
+    )
+    api_key: str | None = Field(None, description="Remote server: Bearer token to send.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "FallbackSettings":
+        if (self.model is None) == (self.url is None):
+            raise ValueError("a fallback needs exactly one of 'model' (local) or 'url' (remote)")
+        return self
+
+
 class Settings(BaseSettings):
     """All of mlxserve's settings."""
 
@@ -75,6 +200,14 @@ class Settings(BaseSettings):
     model: str = Field("demo", description="Model to serve: 'demo' or a local model directory.")
     policy: PolicySettings = Field(default_factory=PolicySettings)  # type: ignore[arg-type]
     cluster: ClusterSettings = Field(default_factory=ClusterSettings)  # type: ignore[arg-type]
+    engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
+    speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)  # type: ignore[arg-type]
+    server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
+    fallback: list[FallbackSettings] = Field(
+        default_factory=list,
+        description="Backends tried in order when the primary engine is not healthy "
+        "([[fallback]] tables).",
+    )
 
     @classmethod
     def settings_customise_sources(

@@ -1,0 +1,122 @@
+"""Engine benchmark on the built-in demo model; prints one JSON document.
+
+- decode tok/s with MTP depth 0..5 (greedy) and the speedup over depth 0,
+- acceptance per depth,
+- TTFT of a long prompt cold vs prefix-reused,
+- our decode tok/s at depth 0 over `mlx_lm.generate`'s on the same model
+  (target >= 0.95). Every figure is a ratio measured in this one run.
+
+Run: python benchmarks/engine.py [--tokens 128] [--repeats 3]
+(on Linux, LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 speeds it up)
+"""
+
+import argparse
+import json
+import queue
+import statistics
+import time
+from typing import Any
+
+import mlx.core as mx
+
+from mlxserve.engine.engine import Engine, EngineConfig
+from mlxserve.engine.request import FinishEvent, GenerationRequest, TokensEvent
+
+PROMPT = "Explain how the assert statement works and when it is removed."
+
+
+def run_one(
+    engine: Engine, request: GenerationRequest
+) -> tuple[list[int], FinishEvent, float, float]:
+    started = time.perf_counter()
+    stream = engine.submit(request)
+    tokens: list[int] = []
+    first = 0.0
+    while True:
+        engine.run_once()
+        try:
+            event = stream.get(timeout=0)
+        except queue.Empty:
+            continue
+        if isinstance(event, TokensEvent):
+            first = first or time.perf_counter() - started
+            tokens.extend(event.token_ids)
+        elif isinstance(event, FinishEvent):
+            return tokens, event, first, time.perf_counter() - started
+
+
+def decode_rate(engine: Engine, prompt: tuple[int, ...], n: int, repeats: int) -> tuple[float, Any]:
+    rates = []
+    finish = None
+    for i in range(repeats):
+        tokens, finish, ttft, total = run_one(engine, GenerationRequest(f"d{i}", prompt, n))
+        rates.append((len(tokens) - 1) / (total - ttft))
+    return statistics.median(rates), finish
+
+
+def mlx_lm_rate(model: Any, tokenizer: Any, prompt: list[int], n: int, repeats: int) -> float:
+    from mlx_lm.generate import stream_generate
+
+    rates = []
+    for _ in range(repeats):
+        last = None
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=n):
+            last = response
+        assert last is not None
+        rates.append(last.generation_tps)
+    return statistics.median(rates)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from mlxserve.commands.generate import encode_prompt
+    from mlxserve.engine.build import adapter_for, materialize
+    from mlxserve.models import load
+
+    model, tokenizer = load("demo")
+    materialize(model)
+    prompt = tuple(encode_prompt(tokenizer, PROMPT, chat=True))
+    result: dict[str, Any] = {"model": "demo", "prompt_tokens": len(prompt), "tokens": args.tokens}
+
+    depths: dict[str, Any] = {}
+    for depth in range(6):
+        engine = Engine(
+            adapter_for(model, depth),
+            EngineConfig(speculative_depth=depth, prefix_cache_entries=0),
+        )
+        rate, finish = decode_rate(engine, prompt, args.tokens, args.repeats)
+        depths[str(depth)] = {"decode_tok_s": rate, "speculative": finish.speculative}
+    base = depths["0"]["decode_tok_s"]
+    for entry in depths.values():
+        entry["speedup_vs_depth0"] = entry["decode_tok_s"] / base
+    result["depths"] = depths
+
+    long_prompt = tuple(encode_prompt(tokenizer, PROMPT * 40, chat=True))
+    engine = Engine(adapter_for(model, 0), EngineConfig(speculative_depth=0))
+    _, _, cold, _ = run_one(engine, GenerationRequest("cold", long_prompt, 1))
+    _, finish, warm, _ = run_one(engine, GenerationRequest("warm", long_prompt, 1))
+    result["ttft"] = {
+        "prompt_tokens": len(long_prompt),
+        "cold_s": cold,
+        "prefix_reused_s": warm,
+        "cached_tokens": finish.usage.cached_tokens,
+        "reused_over_cold": warm / cold,
+    }
+
+    ours = depths["0"]["decode_tok_s"]
+    theirs = mlx_lm_rate(model, tokenizer, list(prompt), args.tokens, args.repeats)
+    result["vs_mlx_lm_generate"] = {
+        "ours_depth0_tok_s": ours,
+        "mlx_lm_tok_s": theirs,
+        "ratio": ours / theirs,
+    }
+    result["device"] = str(mx.default_device())
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

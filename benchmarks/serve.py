@@ -1,0 +1,279 @@
+"""Streaming latency and throughput of `mlxserve` against `mlx_lm.server`, as JSON.
+
+    python benchmarks/serve.py [--clients 1,2,4,8] [--requests 3] [--max-tokens 128]
+                               [--out results.json] [--skip-demo]
+
+For 1, 2, 4 and 8 concurrent streaming clients (each sending `--requests`
+requests one after the other), it measures aggregate tokens/s, time to first
+token (TTFT) p50/p95 and inter-token latency (ITL, the gap between streamed
+chunks) p50/p95:
+
+- `comparison`: mlxserve and mlx_lm.server serving the same model in the same
+  run, and their ratios (mlxserve / mlx_lm). mlx_lm.server cannot load the
+  demo model (DeepSeek-V4 is not an mlx-lm model type), so both serve a tiny
+  random llama (2 layers, width 64) saved to a temporary directory with the
+  demo's tokenizer; speculative decoding is off (llama has no MTP module).
+- `demo`: mlxserve alone on the built-in demo model (MTP speculative decoding
+  on), the model the README serves.
+
+Greedy decoding; mlxserve gets `ignore_eos` so every request generates
+`--max-tokens` tokens; mlx_lm.server has no such switch, so its token counts
+come from its usage report (or its chunks). Servers listen on 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "Python reference: the for statement. Explain how iteration works, with an example."
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Server:
+    """A server subprocess; `ready` when a one-token completion succeeds."""
+
+    def __init__(self, argv: list[str], port: int, model: str, env: dict[str, str]) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.model = model
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            argv, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        body = {"model": self.model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args} exited; see {self.log.name}")
+            try:
+                if httpx.post(f"{self.url}/v1/completions", json=body, timeout=30).is_success:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.proc.args} not ready; see {self.log.name}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def mlxserve(model: str, port: int) -> Server:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLXSERVE_")}
+    if "MLXSERVE_CACHE_DIR" in os.environ:
+        env["MLXSERVE_CACHE_DIR"] = os.environ["MLXSERVE_CACHE_DIR"]
+    argv = [sys.executable, "-m", "mlxserve", "serve", "--model", model, "--port", str(port)]
+    return Server(argv, port, model, env)
+
+
+def mlx_lm_server(model: str, port: int) -> Server:
+    argv = [sys.executable, "-m", "mlx_lm", "server", "--model", model, "--port", str(port)]
+    argv += ["--log-level", "WARNING"]
+    return Server(argv, port, model, dict(os.environ))
+
+
+async def one_request(
+    client: httpx.AsyncClient, server: Server, max_tokens: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    body = {
+        "model": server.model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    started = time.perf_counter()
+    times: list[float] = []
+    usage_tokens = None
+    async with client.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
+            if any(choice.get("text") for choice in chunk.get("choices") or []):
+                times.append(time.perf_counter())
+    return {
+        "ttft": times[0] - started if times else None,
+        "gaps": [b - a for a, b in itertools.pairwise(times)],
+        "tokens": usage_tokens if usage_tokens is not None else len(times),
+    }
+
+
+async def run_level(
+    server: Server, clients: int, requests: int, max_tokens: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def worker() -> list[dict[str, Any]]:
+            return [await one_request(client, server, max_tokens, extra) for _ in range(requests)]
+
+        began = time.perf_counter()
+        results = [
+            r for batch in await asyncio.gather(*(worker() for _ in range(clients))) for r in batch
+        ]
+        elapsed = time.perf_counter() - began
+    ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
+    gaps = [g for r in results for g in r["gaps"]]
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": round(elapsed, 3),
+        "tokens_per_s": round(tokens / elapsed, 2),
+        "ttft_p50_s": percentile(ttfts, 0.5),
+        "ttft_p95_s": percentile(ttfts, 0.95),
+        "itl_p50_s": percentile(gaps, 0.5),
+        "itl_p95_s": percentile(gaps, 0.95),
+    }
+
+
+def measure(
+    server: Server, levels: list[int], requests: int, max_tokens: int, extra: dict[str, Any]
+) -> list[dict[str, Any]]:
+    server.wait_ready()
+    asyncio.run(run_level(server, 1, 1, 8, extra))  # warm-up
+    return [asyncio.run(run_level(server, n, requests, max_tokens, extra)) for n in levels]
+
+
+def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = ("tokens_per_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s")
+    out = []
+    for a, b in zip(ours, theirs, strict=True):
+        row: dict[str, Any] = {"clients": a["clients"]}
+        for key in keys:
+            row[key] = round(a[key] / b[key], 3) if a[key] and b[key] else None
+        out.append(row)
+    return out
+
+
+def build_tiny_llama(out_dir: Path) -> Path:
+    import shutil
+
+    import mlx.core as mx
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_model
+
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 1024,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 2048,
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(out_dir, model)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    weights = REPO / "mlxserve" / "models" / "demo" / "weights"
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (weights / name).exists():
+            shutil.copyfile(weights / name, out_dir / name)
+    return out_dir
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--requests", type=int, default=3, help="per client, one after another")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--skip-demo", action="store_true")
+    args = parser.parse_args()
+    levels = [int(n) for n in args.clients.split(",")]
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+        "settings": {
+            "levels": levels,
+            "requests_per_client": args.requests,
+            "max_tokens": args.max_tokens,
+            "prompt": PROMPT,
+            "greedy": True,
+        },
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(build_tiny_llama(Path(tmp) / "tiny-llama"))
+        results = {}
+        for name, factory, extra in (
+            ("mlxserve", mlxserve, {"ignore_eos": True}),
+            ("mlx_lm", mlx_lm_server, {}),
+        ):
+            server = factory(model, free_port())
+            try:
+                results[name] = measure(server, levels, args.requests, args.max_tokens, extra)
+            finally:
+                server.stop()
+            print(f"{name}: done", file=sys.stderr)
+        report["comparison"] = {
+            "model": "tiny random llama (2 layers, hidden 64, vocab 1024, demo tokenizer)",
+            "mlxserve": results["mlxserve"],
+            "mlx_lm_server": results["mlx_lm"],
+            "ratio_mlxserve_over_mlx_lm": ratios(results["mlxserve"], results["mlx_lm"]),
+        }
+    if not args.skip_demo:
+        server = mlxserve("demo", free_port())
+        try:
+            report["demo"] = {
+                "model": "demo (DeepSeek-V4 tiny, MTP speculative decoding)",
+                "mlxserve": measure(
+                    server, levels, args.requests, args.max_tokens, {"ignore_eos": True}
+                ),
+            }
+        finally:
+            server.stop()
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    threading.current_thread().name = "benchmark"
+    sys.exit(main())

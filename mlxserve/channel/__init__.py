@@ -1,0 +1,1 @@
+"""The local channel between the front process and an engine process."""

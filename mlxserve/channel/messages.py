@@ -1,0 +1,101 @@
+"""Messages between the front and an engine process: newline-delimited JSON.
+
+Why JSON lines over a unix socket: the front must outlive a wedged engine,
+so they are separate processes; the records are small and plain, and JSON is
+inert (no pickle). Every message is one JSON object with a "type".
+
+engine -> front, once, first:   hello
+front  -> engine:                generate, cancel, status
+engine -> front:                 tokens, finish (per request), status, error
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Hello(_Message):
+    type: Literal["hello"] = "hello"
+    model: str
+    pid: int
+    context_length: int
+    eos_token_ids: list[int]
+    speculative_depth: int
+    plan: dict[str, Any]
+
+
+class Generate(_Message):
+    type: Literal["generate"] = "generate"
+    id: str
+    prompt_ids: list[int] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    speculative_depth: int | None = Field(None, ge=0, le=5)
+
+
+class Cancel(_Message):
+    type: Literal["cancel"] = "cancel"
+    id: str
+
+
+class StatusRequest(_Message):
+    type: Literal["status"] = "status"
+
+
+class Tokens(_Message):
+    type: Literal["tokens"] = "tokens"
+    id: str
+    token_ids: list[int]
+
+
+class Finish(_Message):
+    type: Literal["finish"] = "finish"
+    id: str
+    finish_reason: Literal["stop", "length", "cancelled", "error"]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    speculative: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class Status(_Message):
+    type: Literal["status"] = "status"
+    running: int
+    queued: int
+    progress: int
+
+
+class Error(_Message):
+    """A message the engine could not act on (bad JSON, unknown id); never fatal."""
+
+    type: Literal["error"] = "error"
+    id: str | None = None
+    message: str
+
+
+FrontMessage = Annotated[Generate | Cancel | StatusRequest, Field(discriminator="type")]
+EngineMessage = Annotated[Hello | Tokens | Finish | Status | Error, Field(discriminator="type")]
+
+_FRONT: TypeAdapter[FrontMessage] = TypeAdapter(FrontMessage)
+_ENGINE: TypeAdapter[EngineMessage] = TypeAdapter(EngineMessage)
+
+
+def encode(message: _Message) -> bytes:
+    return message.model_dump_json().encode() + b"\n"
+
+
+def decode_front(line: bytes) -> FrontMessage:
+    """Raises pydantic.ValidationError on anything malformed."""
+    return _FRONT.validate_json(line)
+
+
+def decode_engine(line: bytes) -> EngineMessage:
+    return _ENGINE.validate_json(line)

@@ -1,0 +1,1 @@
+"""One module per CLI command; `mlxserve.cli` only parses and dispatches."""

@@ -1,0 +1,145 @@
+"""`mlxserve serve` (also `mlxserve --config F`): the HTTP front and its engines.
+
+Startup prints what it does (tokenizer, engines, the policy plan, the URL once
+a backend really generates). SIGTERM or Ctrl-C drains: new requests get 503
+with Retry-After, in-flight ones may finish within `server.drain_timeout_s`
+and are cancelled after it, the engines stop, and the process exits 0. A
+second signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from mlxserve.config import Settings
+from mlxserve.errors import UsageError
+
+if TYPE_CHECKING:
+    from mlxserve.server.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+HTTP_GRACE_S = 5
+
+
+def run_serve(settings: Settings) -> int:
+    from mlxserve.server.codec import Codec, model_directory
+    from mlxserve.server.progress import Console
+    from mlxserve.server.runtime import Runtime, build_backends
+
+    configure_logging()
+    console = Console()
+    began = time.monotonic()
+    console.say(f"loading the tokenizer of model '{settings.model}'")
+    try:
+        codec = Codec.load(model_directory(settings.model))
+    except KeyboardInterrupt:
+        return 0
+    listener = bind(settings.server.host, settings.server.port)
+    host, port = listener.getsockname()[:2]
+    runtime = Runtime(settings, codec, build_backends(settings, codec), console)
+    runtime.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    names = ", ".join(f"'{b.name}' ({b.kind})" for b in runtime.backends)
+    console.say(f"listening on {runtime.url}; starting backends {names}")
+    console.say(f"startup so far {time.monotonic() - began:.1f} s; waiting for a healthy backend")
+    return asyncio.run(serve(runtime, listener))
+
+
+def configure_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before starting engines, so a busy port is a one-line error, not a late crash."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+async def serve(runtime: Runtime, listener: socket.socket) -> int:
+    from mlxserve.server.app import create_app
+
+    config = uvicorn.Config(
+        create_app(runtime),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=HTTP_GRACE_S,
+        timeout_keep_alive=5,
+    )
+    server = _Server(config)
+    with server.signal_handlers():
+        await runtime.start()
+        serving = asyncio.create_task(server.serve(sockets=[listener]))
+        signalled = asyncio.create_task(server.signalled.wait())
+        await asyncio.wait({serving, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():  # the HTTP server failed by itself
+            signalled.cancel()
+            await runtime.stop()
+            serving.result()
+            return 1
+        settings = runtime.settings.server
+        runtime.console.say(
+            f"draining: {runtime.admission.in_flight} request(s) in flight, "
+            f"up to {settings.drain_timeout_s:g} s (signal again to stop now)"
+        )
+        server.signalled.clear()
+        drain = asyncio.create_task(runtime.drain(settings.drain_timeout_s))
+        again = asyncio.create_task(server.signalled.wait())
+        await asyncio.wait({drain, again}, return_when=asyncio.FIRST_COMPLETED)
+        if not drain.done():
+            drain.cancel()
+            runtime.router.closed = True
+            await runtime.router.cancel_all()
+        again.cancel()
+        runtime.console.say("stopping engines")
+        await runtime.stop()
+        server.should_exit = True
+        await serving
+    runtime.console.say("stopped")
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server with our signal handling: drain first, then exit 0.
+
+    uvicorn's own handlers stop accepting connections at once (no 503 while
+    draining) and re-raise the signal after shutdown (no exit 0).
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.signalled = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield  # `signal_handlers` below is in charge
+
+    @contextlib.contextmanager
+    def signal_handlers(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+        for sig in SHUTDOWN_SIGNALS:
+            loop.add_signal_handler(sig, self.signalled.set)
+        try:
+            yield
+        finally:
+            for sig in SHUTDOWN_SIGNALS:
+                loop.remove_signal_handler(sig)

@@ -1,0 +1,77 @@
+"""The engine's view of a model: per-sequence state, prefill, one logits step, rollback.
+
+Keeping this narrow lets one engine serve any mlx-lm model (`PlainAdapter`)
+and DeepSeek-V4 with its MTP drafter (`mlxserve.engine.mtp_adapter`), and
+keeps model-specific cache handling out of the scheduler.
+"""
+
+import copy
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx_lm.models.cache import make_prompt_cache
+
+
+class ModelState(Protocol):
+    """Everything one sequence keeps between steps (caches, carried hidden states)."""
+
+    @property
+    def offset(self) -> int: ...
+
+
+class ModelAdapter(Protocol):
+    #: deepest speculative draft the model supports (0: no drafter)
+    max_draft_depth: int
+
+    def new_state(self, max_rollback: int) -> ModelState: ...
+
+    def prefill(self, state: ModelState, tokens: list[int]) -> None:
+        """Add prompt tokens to the state; no logits are needed for them."""
+
+    def step(self, state: ModelState, tokens: mx.array) -> mx.array:
+        """Add `tokens` ([n], may be lazy) and return the logits [vocab] of the last, lazily."""
+
+    def snapshot(self, state: ModelState) -> ModelState:
+        """An independent copy, for the prefix cache."""
+
+    def nbytes(self, state: ModelState) -> int: ...
+
+
+class PlainState:
+    def __init__(self, cache: list[Any]) -> None:
+        self.cache = cache
+
+    @property
+    def offset(self) -> int:
+        return int(getattr(self.cache[0], "offset", 0)) if self.cache else 0
+
+
+class PlainAdapter:
+    """Any mlx-lm model: its own cache (`make_cache` or mlx-lm's KV caches)."""
+
+    max_draft_depth = 0
+
+    def __init__(self, model: Module) -> None:
+        self.model = model
+
+    def new_state(self, max_rollback: int) -> PlainState:
+        return PlainState(make_prompt_cache(self.model))
+
+    def prefill(self, state: ModelState, tokens: list[int]) -> None:
+        assert isinstance(state, PlainState)
+        self.model(mx.array(tokens)[None], cache=state.cache)
+        mx.eval([c.state for c in state.cache])
+
+    def step(self, state: ModelState, tokens: mx.array) -> mx.array:
+        assert isinstance(state, PlainState)
+        logits: mx.array = self.model(tokens[None], cache=state.cache)
+        return logits[0, -1]
+
+    def snapshot(self, state: ModelState) -> PlainState:
+        assert isinstance(state, PlainState)
+        return PlainState(copy.deepcopy(state.cache))
+
+    def nbytes(self, state: ModelState) -> int:
+        assert isinstance(state, PlainState)
+        return sum(int(getattr(c, "nbytes", 0)) for c in state.cache)

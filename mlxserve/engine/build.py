@@ -1,0 +1,85 @@
+"""Assemble an engine from settings and a plan: load, apply the kernel policy, pick the adapter."""
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlxserve.config import Settings
+from mlxserve.engine.adapter import ModelAdapter, PlainAdapter
+from mlxserve.engine.engine import Engine, EngineConfig
+from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.policy.plan import Plan
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MTP_DEPTH = 3
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    adapter: ModelAdapter
+    speculative_depth: int
+
+
+def speculative_depth(settings: Settings, model: Any) -> int:
+    """The configured depth, defaulting to 3 for models with an MTP module and 0 otherwise."""
+    has_mtp = getattr(model, "num_mtp_blocks", 0) > 0
+    depth = settings.speculative.depth
+    if depth is None:
+        return DEFAULT_MTP_DEPTH if has_mtp else 0
+    return depth if has_mtp else 0
+
+
+def adapter_for(model: Any, depth: int) -> ModelAdapter:
+    """Without drafting the MTP module would only cost time: serve the main model alone."""
+    return MTPAdapter(model) if depth > 0 else PlainAdapter(model)
+
+
+def materialize(model: Any) -> None:
+    """Evaluate every array the modules hold, private ones (index tables, RoPE) too.
+
+    The engine loop runs on its own thread and MLX streams are per thread: a
+    lazy array built while loading would fail to evaluate there ("There is no
+    Stream(cpu, 0) in current thread").
+    """
+    arrays = [
+        value
+        for module in model.modules()
+        for value in (*vars(module).values(), *module.values())
+        if isinstance(value, mx.array)
+    ]
+    mx.eval(arrays)
+
+
+def load_for_serving(settings: Settings, plan: Plan, rank: int) -> LoadedModel:
+    from mlxserve.kernels.apply import apply_moe_policy
+    from mlxserve.models import load
+
+    model, tokenizer = load(settings.model)
+    report = apply_moe_policy(model, plan, rank)
+    log.info("MoE kernel policy on rank %d: %s", rank, report)
+    depth = speculative_depth(settings, model)
+    materialize(model)
+    return LoadedModel(model, tokenizer, adapter_for(model, depth), depth)
+
+
+def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> EngineConfig:
+    args = getattr(loaded.model, "args", None)
+    experts = int(getattr(args, "n_routed_experts", 0) or 0)
+    top_k = int(getattr(args, "num_experts_per_tok", 0) or 0)
+    return EngineConfig(
+        max_running=settings.engine.max_running,
+        prefill_step=plan.prefill_step_size(settings.engine.prefill_step, experts, top_k),
+        speculative_depth=loaded.speculative_depth,
+        prefix_cache_entries=settings.engine.prefix_cache_entries,
+        prefix_cache_bytes=settings.engine.prefix_cache_mb << 20,
+    )
+
+
+def build_engine(settings: Settings, plan: Plan, rank: int = 0) -> tuple[Engine, LoadedModel]:
+    loaded = load_for_serving(settings, plan, rank)
+    return Engine(loaded.adapter, engine_config(settings, plan, loaded)), loaded

@@ -1,0 +1,241 @@
+"""The engine loop: the one thread that owns the model.
+
+Clients call `submit` and `cancel` from any thread; the loop picks them up at
+step boundaries, asks the scheduler for a step plan, runs it, and delivers
+tokens and finish events to each request's stream. `progress` counts finished
+steps, which is what the watchdog watches.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from mlxserve.engine.adapter import ModelAdapter
+from mlxserve.engine.prefix_cache import PrefixCache
+from mlxserve.engine.request import (
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    TokensEvent,
+    Usage,
+)
+from mlxserve.engine.runner import Runner
+from mlxserve.engine.sampling import KeyStream
+from mlxserve.engine.scheduler import Scheduler
+from mlxserve.engine.sequence import Phase, Sequence
+from mlxserve.engine.step_plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+StepHook = Callable[[StepPlan], None]
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request: GenerationRequest
+    stream: "RequestStream"
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+_Message = _Submit | _Cancel | None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 8
+    prefill_step: int = 512
+    speculative_depth: int = 0
+    prefix_cache_entries: int = 16
+    prefix_cache_bytes: int = 1 << 30
+
+
+class RequestStream:
+    """The events of one request, in order, ending with a `FinishEvent`."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def put(self, event: Event) -> None:
+        self._events.put(event)
+
+    def get(self, timeout: float | None = None) -> Event:
+        return self._events.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self._events.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+
+class Engine:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        config: EngineConfig,
+        before_step: StepHook | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.config = config
+        self.depth = min(config.speculative_depth, adapter.max_draft_depth)
+        cache = None
+        if config.prefix_cache_entries > 0:
+            cache = PrefixCache(adapter, config.prefix_cache_entries, config.prefix_cache_bytes)
+        self.prefix_cache = cache
+        self.runner = Runner(adapter, cache)
+        self.scheduler = Scheduler(
+            config.max_running, config.prefill_step, on_admit=self.runner.attach_state
+        )
+        self.before_step = before_step
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        # Read by the watchdog from another thread: plain attributes, written only here.
+        self.progress = 0
+        self.current_step: StepPlan | None = None
+        self.step_started_at = 0.0
+
+    # -- client side (any thread) ------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        stream = RequestStream(request.request_id)
+        self._inbox.put(_Submit(request, stream))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(_Cancel(request_id))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="mlxserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    # -- the loop (engine thread) --------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.run_once(block=True):
+                continue
+
+    def run_once(self, block: bool = False) -> bool:
+        """Take in new work and run at most one step; False when there was nothing to run."""
+        self._drain_inbox(block=block and self.scheduler.idle)
+        plan = self.scheduler.next_step()
+        if plan is None:
+            return False
+        self._run(plan)
+        return True
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message: _Message) -> None:
+        if isinstance(message, _Submit):
+            self._admit(message.request, message.stream)
+        elif isinstance(message, _Cancel):
+            sequence = self.scheduler.find(message.request_id)
+            if sequence is not None:
+                self._finish(sequence, "cancelled")
+                self.scheduler.remove_finished()
+
+    def _admit(self, request: GenerationRequest, stream: RequestStream) -> None:
+        if request.request_id in self._streams:
+            usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=0)
+            error = f"request id {request.request_id!r} is already in flight"
+            stream.put(FinishEvent(request.request_id, "error", usage, None, error))
+            return
+        depth = self.depth if request.speculative_depth is None else request.speculative_depth
+        depth = max(0, min(depth, self.adapter.max_draft_depth))
+        sequence = Sequence(request=request, keys=KeyStream(request.sampling.seed), depth=depth)
+        sequence.stats.depth = depth
+        self._streams[request.request_id] = stream
+        self.scheduler.add(sequence)
+
+    def _run(self, plan: StepPlan) -> None:
+        sequences = [s for rid in plan.request_ids if (s := self.scheduler.find(rid))]
+        self.current_step = plan
+        self.step_started_at = time.monotonic()
+        try:
+            if self.before_step is not None:
+                self.before_step(plan)
+            emitted = self.runner.run(plan, sequences)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            log.exception("step %d (%s) failed", plan.index, plan.kind)
+            for sequence in sequences:
+                self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}")
+            emitted = {}
+        finally:
+            self.current_step = None
+            self.progress += 1
+        for sequence in sequences:
+            tokens = emitted.get(sequence.request_id)
+            if tokens and sequence.phase is not Phase.FINISHED:
+                self._emit(sequence, tokens)
+        self.scheduler.remove_finished()
+
+    def _emit(self, sequence: Sequence, tokens: list[int]) -> None:
+        stop_ids = sequence.request.stop_token_ids
+        kept: list[int] = []
+        reason: FinishReason | None = None
+        for token in tokens:
+            if token in stop_ids:
+                reason = "stop"
+                break
+            kept.append(token)
+            if len(sequence.generated) + len(kept) >= sequence.request.max_tokens:
+                reason = "length"
+                break
+        sequence.generated.extend(kept)
+        if kept:
+            self._streams[sequence.request_id].put(TokensEvent(sequence.request_id, tuple(kept)))
+        if reason is not None:
+            self._finish(sequence, reason)
+
+    def _finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if sequence.phase is Phase.FINISHED:
+            return
+        sequence.phase = Phase.FINISHED
+        sequence.finish_reason = reason
+        sequence.pending = None
+        sequence.state = None
+        usage = Usage(
+            prompt_tokens=len(sequence.prompt),
+            completion_tokens=len(sequence.generated),
+            cached_tokens=sequence.cached_tokens,
+        )
+        speculative = sequence.stats.as_dict() if sequence.depth > 0 else None
+        stream = self._streams.pop(sequence.request_id)
+        stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error))

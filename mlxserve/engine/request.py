@@ -1,0 +1,112 @@
+"""What a client asks the engine for, and what the engine sends back.
+
+These are plain records: the engine process turns them into JSON lines for
+the front process, so they carry only ids, numbers and strings.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 is greedy; top_p applies to the temperature-scaled distribution."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: frozenset[int] = frozenset()
+    # None: the engine's configured depth (0 when the model has no MTP module).
+    speculative_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt must have at least one token")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+
+
+@dataclass
+class SpeculativeStats:
+    """Per request: drafts proposed and accepted, in total and per draft depth."""
+
+    depth: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at_depth: list[int] = field(default_factory=list)
+    accepted_at_depth: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One draft round: `drafted` tokens proposed, the first `accepted` of them kept."""
+        need = max(drafted, len(self.drafted_at_depth))
+        self.drafted_at_depth += [0] * (need - len(self.drafted_at_depth))
+        self.accepted_at_depth += [0] * (need - len(self.accepted_at_depth))
+        for depth in range(drafted):
+            self.drafted_at_depth[depth] += 1
+            self.accepted_at_depth[depth] += int(depth < accepted)
+        self.drafted += drafted
+        self.accepted += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        rates = [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_at_depth, self.drafted_at_depth, strict=True)
+        ]
+        return {
+            "depth": self.depth,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_rate_per_depth": rates,
+        }
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """New tokens of one request, in order."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    request_id: str
+    finish_reason: FinishReason
+    usage: Usage
+    speculative: dict[str, object] | None = None
+    error: str | None = None
+
+
+Event = TokensEvent | FinishEvent

@@ -1,0 +1,90 @@
+"""Run one step plan on the model and turn the result into tokens per request.
+
+Plain decoding is pipelined like `mlx_lm.generate`: the next forward is
+queued (`mx.async_eval`) before the current token is read back, so the host
+and the device overlap. Speculative steps are delegated to the adapter.
+"""
+
+import mlx.core as mx
+
+from mlxserve.engine.adapter import ModelAdapter
+from mlxserve.engine.prefix_cache import PrefixCache
+from mlxserve.engine.sampling import sample, token_id
+from mlxserve.engine.sequence import Phase, Sequence
+from mlxserve.engine.step_plan import StepPlan
+
+
+class Runner:
+    def __init__(self, adapter: ModelAdapter, prefix_cache: PrefixCache | None) -> None:
+        self.adapter = adapter
+        self.prefix_cache = prefix_cache
+
+    def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
+        """Execute `plan`; returns the tokens each request emits in this step."""
+        emitted: dict[str, list[int]] = {}
+        for sequence in sequences:
+            if plan.kind == "prefill":
+                self._prefill(sequence, plan.num_tokens)
+            elif plan.kind == "decode":
+                emitted[sequence.request_id] = self._decode(sequence)
+            else:
+                emitted[sequence.request_id] = self._speculate(sequence, plan.num_tokens)
+        return emitted
+
+    def attach_state(self, sequence: Sequence) -> None:
+        """Give a starting request its model state: a prefix-cache hit or a fresh one."""
+        if sequence.state is not None:
+            return
+        hit = self.prefix_cache.lookup(sequence.prompt) if self.prefix_cache else None
+        if hit is not None:
+            sequence.state, sequence.prefilled = hit
+            sequence.cached_tokens = sequence.prefilled
+        else:
+            sequence.state = self.adapter.new_state(max_rollback=sequence.depth)
+
+    def _prefill(self, sequence: Sequence, count: int) -> None:
+        assert sequence.state is not None
+        count = min(count, sequence.prompt_remaining)
+        start = sequence.prefilled
+        self.adapter.prefill(sequence.state, list(sequence.prompt[start : start + count]))
+        sequence.prefilled += count
+
+    def _first_logits(self, sequence: Sequence) -> mx.array:
+        """Run the last prompt token; the state is stored for prefix reuse just before."""
+        assert sequence.state is not None
+        if self.prefix_cache is not None and sequence.prefilled > sequence.cached_tokens:
+            self.prefix_cache.store(sequence.prompt[: sequence.prefilled], sequence.state)
+        sequence.phase = Phase.DECODE
+        return self.adapter.step(sequence.state, mx.array(sequence.prompt[-1:]))
+
+    def _decode(self, sequence: Sequence) -> list[int]:
+        params = sequence.request.sampling
+        if sequence.pending is None:
+            sequence.pending = sample(self._first_logits(sequence), params, sequence.keys.next())
+            if sequence.depth > 0:
+                # Speculative requests take their first token plainly, then draft.
+                token = token_id(sequence.pending)
+                sequence.pending = None
+                return [token]
+        assert sequence.state is not None
+        current = sequence.pending
+        if sequence.budget > 1:
+            logits = self.adapter.step(sequence.state, current.reshape(1))
+            sequence.pending = sample(logits, params, sequence.keys.next())
+            mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+        else:
+            sequence.pending = None
+        return [token_id(current)]
+
+    def _speculate(self, sequence: Sequence, depth: int) -> list[int]:
+        assert sequence.state is not None and sequence.generated
+        depth = min(depth, sequence.budget - 1)
+        drafter = getattr(self.adapter, "speculate", None)
+        if depth <= 0 or drafter is None:
+            logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
+            return [token_id(sample(logits, sequence.request.sampling, sequence.keys.next()))]
+        tokens, drafted, accepted = drafter(
+            sequence.state, sequence.generated[-1], depth, sequence.request.sampling, sequence.keys
+        )
+        sequence.stats.record(drafted, accepted)
+        return list(tokens)

@@ -1,0 +1,52 @@
+"""One request's life inside the engine: where its prompt is, what it generated."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import mlx.core as mx
+
+from mlxserve.engine.adapter import ModelState
+from mlxserve.engine.request import FinishReason, GenerationRequest, SpeculativeStats
+from mlxserve.engine.sampling import KeyStream
+
+
+class Phase(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request: GenerationRequest
+    keys: KeyStream
+    depth: int
+    phase: Phase = Phase.WAITING
+    state: ModelState | None = None
+    # prompt tokens already in `state` (from the prefix cache or prefilled)
+    prefilled: int = 0
+    cached_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    # The next token, sampled but not yet emitted (lazy: decode is pipelined).
+    pending: mx.array | None = None
+    finish_reason: FinishReason | None = None
+    cancelled: bool = False
+    stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def prompt_remaining(self) -> int:
+        """Prompt tokens still to prefill, keeping the last one for the first logits step."""
+        return len(self.prompt) - 1 - self.prefilled
+
+    @property
+    def budget(self) -> int:
+        return self.request.max_tokens - len(self.generated)

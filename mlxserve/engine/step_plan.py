@@ -1,0 +1,33 @@
+"""Step plans: what the model runs next, as a small record every rank can follow.
+
+In tensor parallelism rank 0 decides and broadcasts the plan; the other ranks
+run the same forward. A plan is plain data with a JSON form (never pickle).
+"""
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+StepKind = Literal["prefill", "decode", "speculate"]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    index: int
+    kind: StepKind
+    request_ids: tuple[str, ...]
+    # prefill: prompt tokens in this chunk; decode: 1; speculate: drafts to verify
+    num_tokens: int
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "StepPlan":
+        raw = json.loads(data)
+        return cls(
+            index=int(raw["index"]),
+            kind=raw["kind"],
+            request_ids=tuple(raw["request_ids"]),
+            num_tokens=int(raw["num_tokens"]),
+        )

@@ -1,0 +1,1 @@
+"""Keeping the service up when an engine is not: the progress watchdog and test-only faults."""

@@ -1,0 +1,47 @@
+"""Bearer-token auth for /v1/*, as pure ASGI middleware.
+
+Pure ASGI (not BaseHTTPMiddleware) so streaming responses and contextvars pass
+through untouched. Keys are compared with `hmac.compare_digest` against every
+configured key, so the time taken says nothing about how much of a key matched
+or which key it was. /health, /ready and /metrics stay open for probes.
+"""
+
+import hmac
+from collections.abc import Sequence
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mlxserve.server.errors import Unauthorized, error_response
+
+PROTECTED_PREFIX = "/v1/"
+
+
+class BearerAuth:
+    def __init__(self, app: ASGIApp, keys: Sequence[str]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in keys if key]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or not self._protected(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and self._valid(token.strip().encode()):
+            await self.app(scope, receive, send)
+            return
+        error = Unauthorized(
+            "a valid API key is required: send 'Authorization: Bearer <key>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await error_response(error)(scope, receive, send)
+
+    @staticmethod
+    def _protected(path: str) -> bool:
+        return path.startswith(PROTECTED_PREFIX) or path == PROTECTED_PREFIX.rstrip("/")
+
+    def _valid(self, token: bytes) -> bool:
+        matched = False
+        for key in self.keys:
+            matched |= hmac.compare_digest(token, key)
+        return matched

@@ -1,0 +1,1 @@
+"""Where generations run: a local engine child process, or another OpenAI-compatible server."""

@@ -1,0 +1,133 @@
+"""What the router needs from a backend, whatever runs behind it.
+
+A backend streams token ids for one request at a time per call, many calls at
+once. It raises `BackendUnavailable` when it cannot finish a request for
+reasons of its own (process gone, connection lost, silent for too long): the
+router may then resume that request elsewhere. Anything else is not retried.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+class BackendUnavailable(Exception):
+    """The backend cannot serve this request now; another backend may."""
+
+
+class BackendRequestFailed(BackendUnavailable):
+    """The backend failed this one request but is otherwise fine (e.g. a step raised)."""
+
+
+class BackendRejected(Exception):
+    """The backend refused the request itself (a 4xx from a remote): retrying won't help."""
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tokens:
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: Literal["stop", "length", "cancelled"]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    speculative: dict[str, Any] | None = None
+
+
+BackendEvent = Tokens | Finished
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a backend told us about itself (an engine's Hello)."""
+
+    model: str
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    speculative_depth: int = 0
+    plan: dict[str, Any] | None = None
+    pid: int | None = None
+
+    @property
+    def plan_hash(self) -> str:
+        return str((self.plan or {}).get("plan_hash", "none"))
+
+
+HealthListener = Callable[["Backend", bool], None]
+
+
+@dataclass
+class BackendState:
+    """Health as the supervisor and the router see it."""
+
+    healthy: bool = False
+    last_ok: float = 0.0  # monotonic time of the last proof of life (probe or token)
+    in_flight: int = 0
+    listeners: list[HealthListener] = field(default_factory=list)
+
+
+class Backend(ABC):
+    kind: str = "backend"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.info: BackendInfo | None = None
+        self.state = BackendState()
+
+    # -- health -------------------------------------------------------------------
+
+    @property
+    def healthy(self) -> bool:
+        return self.state.healthy
+
+    def set_healthy(self, healthy: bool) -> None:
+        if healthy == self.state.healthy:
+            return
+        self.state.healthy = healthy
+        for listener in list(self.state.listeners):
+            listener(self, healthy)
+
+    def proof_of_life(self) -> None:
+        self.state.last_ok = time.monotonic()
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    @abstractmethod
+    async def start(self) -> BackendInfo:
+        """Start or connect; return what the backend says about itself."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Stop (a local engine) or disconnect; in-flight requests fail."""
+
+    @property
+    @abstractmethod
+    def connected(self) -> bool:
+        """Whether requests can be sent at all (a process up, a client open)."""
+
+    @abstractmethod
+    def generate(
+        self, request_id: str, params: GenerationParams
+    ) -> AsyncGenerator[BackendEvent, None]:
+        """Tokens, then one `Finished`; closing the iterator early cancels the request."""
+
+    async def cancel_all(self) -> None:
+        """Ask the backend to stop every in-flight request (used when draining)."""
+        return None

@@ -1,0 +1,169 @@
+"""OpenAI-style errors: one exception type per answer the client can act on.
+
+Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`
+with the status that says what to do next (fix the request, wait and retry,
+report a bug). Errors are mapped by type, never by matching messages, and an
+unexpected exception becomes a 500 whose body names no internals.
+"""
+
+import json
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+class InvalidRequest(APIError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class Unauthorized(APIError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class NotFound(APIError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class MethodNotAllowed(APIError):
+    status = 405
+    type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class BodyTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class _RetryLater(APIError):
+    """An error that clears by itself: the answer says when to come back."""
+
+    def __init__(self, message: str, retry_after_s: int, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.headers.setdefault("Retry-After", str(retry_after_s))
+
+
+class QueueFull(_RetryLater):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+
+
+class ServiceUnavailable(_RetryLater):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_backend"
+
+
+class BadGateway(APIError):
+    status = 502
+    type = "backend_error"
+    code = "backend_rejected"
+
+
+class InternalError(APIError):
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def from_validation_error(exc: ValidationError) -> InvalidRequest:
+    """The first problem of a pydantic error, with its field path as `param`."""
+    first = exc.errors(include_url=False)[0]
+    param = ".".join(str(part) for part in first["loc"]) or None
+    message = first["msg"]
+    if param:
+        message = f"{param}: {message}"
+    more = len(exc.errors()) - 1
+    if more:
+        message += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return InvalidRequest(message, param=param, code="invalid_value")
+
+
+def invalid_json(exc: json.JSONDecodeError | UnicodeDecodeError) -> InvalidRequest:
+    return InvalidRequest(f"the body is not valid JSON: {exc}", code="invalid_json")
+
+
+# -- starlette exception handlers -------------------------------------------------
+
+
+async def handle_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return error_response(exc)
+
+
+async def handle_http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405 (unknown path or method) in the OpenAI shape."""
+    assert isinstance(exc, HTTPException)
+    error: APIError
+    if exc.status_code == 404:
+        error = NotFound(f"no route for {request.method} {request.url.path}")
+    elif exc.status_code == 405:
+        error = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+    else:
+        error = APIError(str(exc.detail))
+        error.status = exc.status_code
+        error.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    error.headers.update(exc.headers or {})
+    return error_response(error)
+
+
+async def handle_unexpected(request: Request, exc: Exception) -> Response:
+    """A bug: log the traceback, answer 500 without it."""
+    log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(InternalError("internal server error"))

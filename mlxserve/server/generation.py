@@ -1,0 +1,210 @@
+"""One generation request, from validated input to text deltas, shared by both APIs.
+
+The order is deliberate: everything that can be refused (unknown model, prompt
+too long, tokens out of range) is refused before a slot is taken or a backend
+is touched, so an invalid request never reaches an engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mlxserve.server.admission import Admission
+from mlxserve.server.backends.base import (
+    BackendRejected,
+    BackendUnavailable,
+    Finished,
+    GenerationParams,
+    Tokens,
+)
+from mlxserve.server.codec import Codec
+from mlxserve.server.errors import (
+    BadGateway,
+    ContextLengthExceeded,
+    InternalError,
+    InvalidRequest,
+    ModelNotFound,
+    ServiceUnavailable,
+)
+from mlxserve.server.metrics import Metrics
+from mlxserve.server.protocol import SEED_RANGE
+from mlxserve.server.router import Job, Router
+from mlxserve.server.stops import TextStream
+
+
+@dataclass(frozen=True)
+class Prepared:
+    request_id: str
+    params: GenerationParams
+    stops: list[str]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.params.prompt_ids)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text for the client; the last delta carries the finish reason and usage."""
+
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    speculative: dict[str, Any] | None = None
+    backend: str | None = None  # the backend that produced it (after failovers, the last)
+
+
+class Generations:
+    def __init__(
+        self,
+        *,
+        codec: Codec,
+        router: Router,
+        admission: Admission,
+        metrics: Metrics,
+        model_name: str,
+        context_length: Callable[[], int | None],
+        stop_token_ids: Callable[[], tuple[int, ...]],
+        retry_after_s: int,
+    ) -> None:
+        self.codec = codec
+        self.router = router
+        self.admission = admission
+        self.metrics = metrics
+        self.model_name = model_name
+        self.context_length = context_length
+        self.stop_token_ids = stop_token_ids
+        self.retry_after_s = retry_after_s
+        self.vocab_size = codec.vocab_size
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ModelNotFound(
+                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+            )
+
+    def prepare(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int | None,
+        temperature: float | None,
+        top_p: float | None,
+        seed: int | None,
+        stops: list[str],
+        ignore_eos: bool = False,
+        limit_param: str = "max_tokens",
+    ) -> Prepared:
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is not in the vocabulary", param="prompt")
+        context = self.context_length()
+        if context is None:
+            raise ServiceUnavailable("no backend has started yet", self.retry_after_s)
+        if len(prompt_ids) >= context:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}",
+                param="messages",
+            )
+        if max_tokens is None:
+            max_tokens = context - len(prompt_ids)
+        elif len(prompt_ids) + max_tokens > context:
+            raise ContextLengthExceeded(
+                f"the prompt ({len(prompt_ids)} tokens) plus {limit_param} ({max_tokens}) "
+                f"exceeds the model's context of {context} tokens",
+                param=limit_param,
+            )
+        params = GenerationParams(
+            prompt_ids=tuple(prompt_ids),
+            max_tokens=max_tokens,
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if top_p is None else top_p,
+            seed=None if seed is None else seed % SEED_RANGE,
+            stop_token_ids=() if ignore_eos else self.stop_token_ids(),
+        )
+        return Prepared(uuid.uuid4().hex, params, stops)
+
+    async def run(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
+        """Deltas of text; raises an `APIError` if the request cannot be served."""
+        arrived = time.perf_counter()
+        async with self.admission.slot():
+            job = Job(prepared.request_id, prepared.params)
+            text = TextStream(self.codec.detokenizer(), prepared.stops)
+            last = None
+            finish: Finished | None = None
+            events = self.router.generate(job)
+            try:
+                async for event in events:
+                    if isinstance(event, Tokens):
+                        now = time.perf_counter()
+                        self._observe_latency(arrived, last, now, len(event.token_ids))
+                        last = now
+                        yield Delta(text.push(list(event.token_ids)), backend=job.backend)
+                        if text.stopped:
+                            break
+                    else:
+                        finish = event
+                        break
+            except BackendUnavailable as exc:
+                raise ServiceUnavailable(
+                    f"no backend could finish the request: {exc}", self.retry_after_s
+                ) from None
+            except BackendRejected as exc:
+                raise BadGateway(str(exc)) from None
+            finally:
+                await events.aclose()
+            yield self._last(prepared, job, text, finish, arrived)
+
+    def _observe_latency(self, arrived: float, last: float | None, now: float, n: int) -> None:
+        if last is None:
+            self.metrics.ttft.observe(now - arrived)
+            return
+        gap = (now - last) / n  # a speculative step delivers several tokens at once
+        for _ in range(n):
+            self.metrics.itl.observe(gap)
+
+    def _last(
+        self,
+        prepared: Prepared,
+        job: Job,
+        text: TextStream,
+        finish: Finished | None,
+        arrived: float,
+    ) -> Delta:
+        if finish is not None and finish.reason == "cancelled":
+            if self.admission.draining:
+                raise ServiceUnavailable(
+                    "the server shut down before the request finished",
+                    self.retry_after_s,
+                    code="shutting_down",
+                )
+            raise InternalError("the backend cancelled the request")
+        tail = text.finish()
+        reason = "stop" if text.stopped or finish is None else finish.reason
+        completion = len(job.sent)
+        self.metrics.prompt_tokens.inc(prepared.prompt_tokens)
+        self.metrics.completion_tokens.inc(completion)
+        self.metrics.duration.observe(time.perf_counter() - arrived)
+        speculative = finish.speculative if finish is not None else None
+        if speculative:
+            self.metrics.record_speculative(
+                int(speculative.get("drafted", 0)), int(speculative.get("accepted", 0))
+            )
+        return Delta(
+            tail,
+            finish_reason=reason,
+            prompt_tokens=prepared.prompt_tokens,
+            completion_tokens=completion,
+            cached_tokens=finish.cached_tokens if finish is not None else 0,
+            speculative=speculative,
+            backend=job.backend,
+        )

@@ -1,0 +1,118 @@
+"""Prometheus metrics of the front, in a registry of its own.
+
+A registry per server (not the process-global default) so tests can run several
+apps in one process and every number on /metrics belongs to this server.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._drafted = 0
+        self._accepted = 0
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "mlxserve_requests",
+            "HTTP API requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "mlxserve_prompt_tokens", "Prompt tokens of completed requests", registry=r
+        )
+        self.completion_tokens = Counter(
+            "mlxserve_completion_tokens", "Tokens generated for clients", registry=r
+        )
+        self.ttft = Histogram(
+            "mlxserve_time_to_first_token_seconds",
+            "From request arrival to the first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "mlxserve_inter_token_latency_seconds",
+            "Time between generated tokens of one request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "mlxserve_request_duration_seconds",
+            "Generation requests, arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "mlxserve_queue_depth", "Requests waiting for a generation slot", registry=r
+        )
+        self.running = Gauge(
+            "mlxserve_running_requests", "Requests holding a generation slot", registry=r
+        )
+        self.drafted = Counter(
+            "mlxserve_speculative_drafted_tokens", "MTP draft tokens proposed", registry=r
+        )
+        self.accepted = Counter(
+            "mlxserve_speculative_accepted_tokens", "MTP draft tokens accepted", registry=r
+        )
+        self.acceptance_rate = Gauge(
+            "mlxserve_speculative_acceptance_rate",
+            "Accepted / drafted MTP tokens since start",
+            registry=r,
+        )
+        self.failovers = Counter(
+            "mlxserve_failovers",
+            "Times traffic moved to a later backend because the active one failed",
+            ["from_backend", "to_backend"],
+            registry=r,
+        )
+        self.failbacks = Counter(
+            "mlxserve_failbacks",
+            "Times traffic returned to an earlier backend that became healthy again",
+            ["to_backend"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "mlxserve_request_retries",
+            "Requests resumed after their backend failed, by the failed backend",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_healthy = Gauge(
+            "mlxserve_backend_healthy",
+            "1 if the backend passes health checks",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_active = Gauge(
+            "mlxserve_backend_active",
+            "1 for the backend new requests go to",
+            ["backend"],
+            registry=r,
+        )
+        self.engine_restarts = Counter(
+            "mlxserve_engine_restarts",
+            "Local engine processes restarted",
+            ["backend"],
+            registry=r,
+        )
+        self.incidents = Counter(
+            "mlxserve_incidents",
+            "Engine failures (kind: watchdog = exit 75, crash, killed, unresponsive), "
+            "with the hash of the policy plan the engine ran under",
+            ["backend", "kind", "plan_hash"],
+            registry=r,
+        )
+
+    def record_speculative(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self._drafted += drafted
+        self._accepted += accepted
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
+        self.acceptance_rate.set(self._accepted / self._drafted)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

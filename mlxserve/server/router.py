@@ -1,0 +1,162 @@
+"""Send each request to the first healthy backend; resume it elsewhere if that one fails.
+
+Retries use tenacity: a bounded number of attempts, exponential backoff with
+full jitter (so the resumed requests of a failed engine do not arrive in one
+burst), and only for `BackendUnavailable`; a client's bad request never gets
+this far, and a backend's refusal (`BackendRejected`) is not retried.
+
+Resuming a stream: every attempt sends the original prompt plus the tokens the
+client already has, with the remaining budget. Greedy decoding then continues
+exactly where the failed backend stopped, so the client sees one stream with
+no duplicated and no missing tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field, replace
+
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
+from tenacity import wait_random_exponential as wait_full_jitter
+
+from mlxserve.server.backends.base import (
+    Backend,
+    BackendEvent,
+    BackendUnavailable,
+    Finished,
+    GenerationParams,
+    Tokens,
+)
+from mlxserve.server.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class NoHealthyBackend(BackendUnavailable):
+    """Every backend is down (or the server is draining)."""
+
+
+@dataclass
+class Job:
+    """One request as the router tracks it across attempts."""
+
+    request_id: str
+    params: GenerationParams
+    sent: list[int] = field(default_factory=list)
+    attempts: int = 0
+    backend: str | None = None
+
+    def resume_params(self) -> GenerationParams:
+        return replace(
+            self.params,
+            prompt_ids=self.params.prompt_ids + tuple(self.sent),
+            max_tokens=self.params.max_tokens - len(self.sent),
+        )
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4
+    backoff_s: float = 0.2
+    backoff_max_s: float = 5.0
+
+
+class Router:
+    def __init__(self, backends: Sequence[Backend], retry: RetryPolicy, metrics: Metrics) -> None:
+        self.backends = list(backends)
+        self.retry = retry
+        self.metrics = metrics
+        self.closed = False
+        self._active: Backend | None = None
+        self._last_active: Backend | None = None
+        for backend in self.backends:
+            backend.state.listeners.append(self._health_changed)
+            metrics.backend_active.labels(backend.name).set(0)
+            metrics.backend_healthy.labels(backend.name).set(int(backend.healthy))
+        self._choose_active()
+
+    @property
+    def active(self) -> Backend | None:
+        """The backend new requests go to: the first healthy one, in configured order."""
+        return self._active
+
+    def _health_changed(self, backend: Backend, healthy: bool) -> None:
+        self.metrics.backend_healthy.labels(backend.name).set(int(healthy))
+        log.info("backend '%s' is %s", backend.name, "healthy" if healthy else "not healthy")
+        self._choose_active()
+
+    def _choose_active(self) -> None:
+        new = next((b for b in self.backends if b.healthy and b.connected), None)
+        if new is self._active:
+            return
+        for candidate in self.backends:
+            self.metrics.backend_active.labels(candidate.name).set(int(candidate is new))
+        previous = self._last_active
+        if new is not None and previous is not None and new is not previous:
+            if self.backends.index(new) > self.backends.index(previous):
+                self.metrics.failovers.labels(previous.name, new.name).inc()
+                log.warning("failover: '%s' -> '%s'", previous.name, new.name)
+            else:
+                self.metrics.failbacks.labels(new.name).inc()
+                log.info("traffic back on '%s'", new.name)
+        self._active = new
+        if new is not None:
+            self._last_active = new
+
+    def _pick(self) -> Backend:
+        backend = self._active
+        if self.closed or backend is None or not backend.connected:
+            raise NoHealthyBackend("no healthy backend")
+        return backend
+
+    def _retrying(self) -> AsyncRetrying:
+        return AsyncRetrying(
+            stop=stop_after_attempt(self.retry.attempts),
+            wait=wait_full_jitter(multiplier=self.retry.backoff_s, max=self.retry.backoff_max_s),
+            retry=retry_if_exception_type(BackendUnavailable),
+            reraise=True,
+        )
+
+    async def generate(self, job: Job) -> AsyncGenerator[BackendEvent, None]:
+        """Tokens (as the client should see them) and one `Finished`, across failovers.
+
+        Raises `BackendUnavailable` (or `NoHealthyBackend`) when the attempts run out.
+        """
+        async for attempt in self._retrying():
+            with attempt:
+                async for event in self._attempt(job):
+                    yield event
+
+    async def _attempt(self, job: Job) -> AsyncGenerator[BackendEvent, None]:
+        backend = self._pick()
+        job.attempts += 1
+        if job.attempts > 1:
+            log.info(
+                "request %s resumes on '%s' after %d token(s)",
+                job.request_id,
+                backend.name,
+                len(job.sent),
+            )
+        job.backend = backend.name
+        params = job.resume_params()
+        if params.max_tokens <= 0:  # the failure came after the last token
+            yield Finished("length", len(job.params.prompt_ids), len(job.sent))
+            return
+        stream = backend.generate(f"{job.request_id}.{job.attempts}", params)
+        try:
+            async for event in stream:
+                if isinstance(event, Tokens):
+                    job.sent.extend(event.token_ids)
+                yield event
+        except BackendUnavailable as exc:
+            self.metrics.retries.labels(backend.name).inc()
+            log.warning("request %s failed on '%s': %s", job.request_id, backend.name, exc)
+            raise
+        finally:
+            await stream.aclose()
+
+    async def cancel_all(self) -> None:
+        for backend in self.backends:
+            if backend.connected:
+                await backend.cancel_all()

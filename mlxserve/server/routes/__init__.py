@@ -1,0 +1,1 @@
+"""HTTP routes, one small module per API feature."""

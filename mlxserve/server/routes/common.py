@@ -1,0 +1,78 @@
+"""Helpers every route uses: the runtime, body parsing, collecting a generation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from mlxserve.server.errors import InvalidRequest, from_validation_error, invalid_json
+from mlxserve.server.generation import Delta
+from mlxserve.server.protocol import Usage
+from mlxserve.server.runtime import Runtime
+
+Model = TypeVar("Model", bound=BaseModel)
+BACKEND_HEADER = "X-Mlxserve-Backend"
+
+
+def runtime_of(request: Request) -> Runtime:
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+async def parse_body(request: Request, model: type[Model]) -> Model:
+    """The JSON body as `model`; every way it can be wrong is a 400 naming the field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid_json(exc) from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
+    parts: list[str] = []
+    last = Delta("")
+    async for delta in deltas:
+        parts.append(delta.text)
+        last = delta
+    return "".join(parts), last
+
+
+def backend_header(delta: Delta) -> dict[str, str]:
+    """Which backend answered: for operators and for the failover tests."""
+    return {BACKEND_HEADER: delta.backend} if delta.backend else {}
+
+
+async def with_first(
+    first: Delta, rest: AsyncGenerator[Delta, None]
+) -> AsyncGenerator[Delta, None]:
+    """`first` (already taken from `rest`, to answer errors with a real status), then `rest`."""
+    try:
+        yield first
+        async for delta in rest:
+            yield delta
+    finally:
+        await rest.aclose()
+
+
+def usage_of(delta: Delta) -> Usage:
+    details = {"cached_tokens": delta.cached_tokens} if delta.cached_tokens else None
+    return Usage(
+        prompt_tokens=delta.prompt_tokens,
+        completion_tokens=delta.completion_tokens,
+        total_tokens=delta.prompt_tokens + delta.completion_tokens,
+        prompt_tokens_details=details,
+    )
+
+
+def dump(model: BaseModel) -> dict[str, object]:
+    return model.model_dump(exclude_none=True)

@@ -1,0 +1,223 @@
+"""Everything one serving front owns, wired together: backends, router, admission, metrics.
+
+Built from settings by `Runtime.from_settings`; tests build one from their own
+backends. The HTTP app only reads from it, the serve command starts, drains and
+stops it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from mlxserve.config import FallbackSettings, Settings
+from mlxserve.server.admission import Admission
+from mlxserve.server.backends.base import Backend
+from mlxserve.server.backends.local import LocalEngine
+from mlxserve.server.backends.remote import RemoteBackend
+from mlxserve.server.codec import Codec
+from mlxserve.server.generation import Generations
+from mlxserve.server.metrics import Metrics
+from mlxserve.server.progress import Console
+from mlxserve.server.router import RetryPolicy, Router
+from mlxserve.server.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+#: Settings sections an engine reads; the front resolves them and hands them over whole.
+ENGINE_SECTIONS = ("policy", "cluster", "engine", "speculative")
+PROBE_TEXT = "Hello"
+DEFAULT_CONTEXT = 4096
+
+
+def engine_env(settings: Settings, model: str, overrides: list[str] | None) -> dict[str, str]:
+    """The engine's settings as MLXSERVE_* variables (JSON per section).
+
+    Why not the config file: the front's settings may come from flags and the
+    environment too, and a fallback engine differs in model and policy; resolved
+    values leave nothing for the child to re-derive differently.
+    """
+    data = settings.model_dump(mode="json", include=set(ENGINE_SECTIONS))
+    if overrides is not None:
+        data["policy"]["overrides"] = overrides
+    env = {f"MLXSERVE_{name.upper()}": json.dumps(data[name]) for name in ENGINE_SECTIONS}
+    env["MLXSERVE_MODEL"] = model
+    return env
+
+
+def inherited_env() -> dict[str, str]:
+    """The front's environment minus its own MLXSERVE_* settings (the child gets resolved ones)."""
+    fields = {name.upper() for name in Settings.model_fields}
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if not (key.startswith("MLXSERVE_") and key[len("MLXSERVE_") :].split("__")[0] in fields)
+    }
+
+
+def build_backends(settings: Settings, codec: Codec) -> list[Backend]:
+    server = settings.server
+    backends: list[Backend] = [
+        LocalEngine(
+            "primary",
+            env={
+                **inherited_env(),
+                **engine_env(settings, settings.model, None),
+                **server.engine_env,
+            },
+            startup_timeout_s=server.startup_timeout_s,
+            request_timeout_s=server.request_timeout_s,
+        )
+    ]
+    for index, fallback in enumerate(settings.fallback, start=1):
+        backends.append(_fallback(settings, fallback, f"fallback{index}", codec))
+    return backends
+
+
+def _fallback(settings: Settings, entry: FallbackSettings, default: str, codec: Codec) -> Backend:
+    server = settings.server
+    name = entry.name or default
+    if entry.url is not None:
+        return RemoteBackend(
+            name,
+            entry.url,
+            codec=codec,
+            api_key=entry.api_key,
+            request_timeout_s=server.request_timeout_s,
+            context_length=DEFAULT_CONTEXT,
+        )
+    assert entry.model is not None
+    return LocalEngine(
+        name,
+        env={**inherited_env(), **engine_env(settings, entry.model, entry.policy), **entry.env},
+        startup_timeout_s=server.startup_timeout_s,
+        request_timeout_s=server.request_timeout_s,
+    )
+
+
+class Runtime:
+    def __init__(
+        self,
+        settings: Settings,
+        codec: Codec,
+        backends: list[Backend],
+        console: Console | None = None,
+    ) -> None:
+        server = settings.server
+        self.settings = settings
+        self.codec = codec
+        self.console = console or Console(enabled=False)
+        self.metrics = Metrics()
+        self.model_name = server.model_name or settings.model
+        self.created = int(time.time())
+        self.url: str | None = None
+        retry = RetryPolicy(
+            server.retry_attempts, server.retry_backoff_s, server.retry_backoff_max_s
+        )
+        self.router = Router(backends, retry, self.metrics)
+        self.admission = Admission(
+            settings.engine.max_running, server.max_queue, server.retry_after_s, self.metrics
+        )
+        self.generations = Generations(
+            codec=codec,
+            router=self.router,
+            admission=self.admission,
+            metrics=self.metrics,
+            model_name=self.model_name,
+            context_length=self.context_length,
+            stop_token_ids=self.stop_token_ids,
+            retry_after_s=server.retry_after_s,
+        )
+        probe = codec.text_ids(PROBE_TEXT) or codec.eos_token_ids[:1]
+        self.supervisor = Supervisor(
+            self.router.backends, server, self.metrics, probe, self.console, self._on_healthy
+        )
+
+    @property
+    def backends(self) -> list[Backend]:
+        return self.router.backends
+
+    def context_length(self) -> int | None:
+        """The smallest context of the backends heard from (a request must fit any of them)."""
+        known = [b.info.context_length for b in self.backends if b.info is not None]
+        return min(known) if known else None
+
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """EOS ids as the engines announced them in their hello (else the tokenizer's)."""
+        announced = {t for b in self.backends if b.info is not None for t in b.info.eos_token_ids}
+        return tuple(sorted(announced or set(self.codec.eos_token_ids)))
+
+    def plan(self) -> dict[str, Any] | None:
+        """The policy plan of the active backend (else the last one any engine reported)."""
+        ordered = [self.router.active, *self.backends]
+        for backend in ordered:
+            if backend is not None and backend.info is not None and backend.info.plan:
+                return backend.info.plan
+        return None
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """Ready: not draining, and the active backend proved itself within three intervals."""
+        now = time.monotonic()
+        window = 3 * self.settings.server.ready_interval_s
+        active = self.router.active
+        detail: dict[str, Any] = {
+            "active": active.name if active else None,
+            "draining": self.admission.draining,
+            "backends": [
+                {
+                    "name": b.name,
+                    "kind": b.kind,
+                    "healthy": b.healthy,
+                    "last_ok_seconds_ago": round(now - b.state.last_ok, 3)
+                    if b.state.last_ok
+                    else None,
+                    "in_flight": b.state.in_flight,
+                    "pid": getattr(b, "pid", None),
+                }
+                for b in self.backends
+            ],
+            "incidents": [
+                {
+                    "backend": i.backend,
+                    "kind": i.kind,
+                    "exit_code": i.exit_code,
+                    "plan_hash": i.plan_hash,
+                    "at": i.at,
+                }
+                for i in self.supervisor.incidents
+            ],
+        }
+        ready = (
+            not self.admission.draining
+            and active is not None
+            and now - active.state.last_ok <= window
+        )
+        detail["status"] = "ready" if ready else "not ready"
+        return ready, detail
+
+    def _on_healthy(self, backend: Backend) -> None:
+        if self.url is not None:
+            self.console.ready(self.url, self.model_name)
+
+    async def start(self) -> None:
+        await self.supervisor.start()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting; let in-flight requests finish within `timeout_s`, then cancel them.
+
+        Returns True if everything finished in time.
+        """
+        self.admission.draining = True
+        if await self.admission.wait_idle(timeout_s):
+            return True
+        log.warning("drain timeout: cancelling %d request(s)", self.admission.in_flight)
+        self.router.closed = True
+        await self.router.cancel_all()
+        await self.admission.wait_idle(5.0)
+        return False
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()

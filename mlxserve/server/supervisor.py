@@ -1,0 +1,201 @@
+"""Keep every backend alive and honestly labelled healthy or not.
+
+For each backend, one task: start it, prove it with a real one-token
+generation, then watch it. A local engine that exits (a crash, a kill, or the
+watchdog's exit 75) is recorded as an incident, with the hash of the policy
+plan it ran under, and restarted with exponential backoff; traffic returns to
+it when a probe passes again. An idle backend is probed every
+`ready_interval_s`; tokens delivered to clients count as proof of life, so a
+busy backend is not probed (a probe would wait behind the real work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mlxserve.config import ServerSettings
+from mlxserve.server.backends.base import (
+    Backend,
+    BackendRejected,
+    BackendUnavailable,
+    Finished,
+    GenerationParams,
+)
+from mlxserve.server.backends.local import LocalEngine
+from mlxserve.server.metrics import Metrics
+from mlxserve.server.progress import Console
+
+log = logging.getLogger(__name__)
+
+WATCHDOG_EXIT = 75
+FAILED_PROBES_BEFORE_KILL = 2
+TICK_S = 0.5
+EXIT_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class Incident:
+    backend: str
+    kind: str  # watchdog | crash | killed | unresponsive
+    exit_code: int | None
+    plan_hash: str
+    at: float
+    output_tail: tuple[str, ...] = ()
+
+
+def incident_kind(exit_code: int | None) -> str:
+    if exit_code == WATCHDOG_EXIT:
+        return "watchdog"
+    if exit_code is not None and exit_code < 0:
+        return "killed"
+    return "crash"
+
+
+class Supervisor:
+    def __init__(
+        self,
+        backends: list[Backend],
+        settings: ServerSettings,
+        metrics: Metrics,
+        probe_ids: list[int],
+        console: Console,
+        on_healthy: Callable[[Backend], None] | None = None,
+    ) -> None:
+        self.backends = backends
+        self.settings = settings
+        self.metrics = metrics
+        self.probe_ids = tuple(probe_ids)
+        self.console = console
+        self.on_healthy = on_healthy
+        self.incidents: list[Incident] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    async def start(self) -> None:
+        for backend in self.backends:
+            self._tasks.append(asyncio.create_task(self._keep(backend), name=backend.name))
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await asyncio.gather(*(backend.stop() for backend in self.backends))
+
+    def _backoff(self, failures: int) -> float:
+        base = self.settings.restart_backoff_s * 2 ** max(failures - 1, 0)
+        return float(min(self.settings.restart_backoff_max_s, base))
+
+    async def _keep(self, backend: Backend) -> None:
+        failures = 0
+        starts = 0
+        while not self._stopping:
+            began = time.monotonic()
+            if not backend.connected:
+                if starts and isinstance(backend, LocalEngine):
+                    self.metrics.engine_restarts.labels(backend.name).inc()
+                try:
+                    info = await backend.start()
+                except BackendUnavailable as exc:
+                    failures += 1
+                    delay = self._backoff(failures)
+                    self.console.say(f"backend '{backend.name}' failed to start: {exc}")
+                    self.console.say(f"retrying '{backend.name}' in {delay:.1f} s")
+                    await asyncio.sleep(delay)
+                    continue
+                starts += 1
+                self.console.engine_up(backend.name, info, time.monotonic() - began, starts > 1)
+            if await self.probe(backend):
+                failures = 0
+                self._healthy(backend)
+            await self._watch(backend)
+            if self._stopping:
+                return
+            failures += 1
+            delay = self._backoff(failures)
+            log.info("restarting backend '%s' in %.1f s", backend.name, delay)
+            await asyncio.sleep(delay)
+
+    def _healthy(self, backend: Backend) -> None:
+        backend.set_healthy(True)
+        if self.on_healthy is not None:
+            self.on_healthy(backend)
+
+    async def _watch(self, backend: Backend) -> None:
+        """Return when the backend is down (and, for a local engine, has exited)."""
+        interval = self.settings.ready_interval_s
+        failed_probes = 0
+        next_probe = 0.0
+        while backend.connected:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            fresh = now - backend.state.last_ok < interval
+            if not backend.connected or (fresh and backend.healthy) or now < next_probe:
+                continue
+            if await self.probe(backend):
+                failed_probes = 0
+                self._healthy(backend)
+                continue
+            failed_probes += 1
+            next_probe = time.monotonic() + interval
+            backend.set_healthy(False)
+            if failed_probes >= FAILED_PROBES_BEFORE_KILL and isinstance(backend, LocalEngine):
+                self.console.say(f"backend '{backend.name}' is unresponsive: killing it")
+                self._record(backend, "unresponsive", None)
+                backend.kill()
+                await backend.wait_exit()
+                return
+        if isinstance(backend, LocalEngine):
+            try:  # the channel closed; the process should follow
+                code = await asyncio.wait_for(backend.wait_exit(), EXIT_GRACE_S)
+            except TimeoutError:
+                backend.kill()
+                code = await backend.wait_exit()
+            if not self._stopping and code is not None:
+                self._record(backend, incident_kind(code), code)
+
+    def _record(self, backend: Backend, kind: str, code: int | None) -> None:
+        plan_hash = backend.info.plan_hash if backend.info else "none"
+        tail = tuple(backend.output_tail) if isinstance(backend, LocalEngine) else ()
+        at = getattr(backend, "exited_at", None) if code is not None else None
+        incident = Incident(backend.name, kind, code, plan_hash, at or time.time(), tail)
+        self.incidents.append(incident)
+        self.metrics.incidents.labels(backend.name, kind, plan_hash[:12]).inc()
+        last = " | ".join(line for line in tail[-5:] if line.strip())
+        log.error(
+            "incident: backend '%s' %s (exit code %s) under policy plan %s; last output: %s",
+            backend.name,
+            kind,
+            code,
+            plan_hash,
+            last or "(none)",
+        )
+        exit_note = f" (exit code {code})" if code is not None else ""
+        self.console.say(
+            f"incident: backend '{backend.name}' {kind}{exit_note}, plan {plan_hash[:12]}"
+        )
+
+    async def probe(self, backend: Backend) -> bool:
+        """A real one-token generation within `ready_timeout_s`."""
+        params = GenerationParams(prompt_ids=self.probe_ids, max_tokens=1, temperature=0.0)
+        stream = backend.generate(f"probe-{uuid.uuid4().hex[:12]}", params)
+        try:
+            async with asyncio.timeout(self.settings.ready_timeout_s):
+                async for event in stream:
+                    if isinstance(event, Finished):
+                        break
+        except (BackendUnavailable, BackendRejected, TimeoutError) as exc:
+            log.warning("health probe of '%s' failed: %s", backend.name, exc or "timeout")
+            return False
+        finally:
+            await stream.aclose()
+        backend.proof_of_life()
+        return True

@@ -1,0 +1,63 @@
+"""Fixtures of the front's tests: the tokenizer, fake backends, an app around them."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.testclient import TestClient
+
+from mlxserve.config import Settings
+from mlxserve.server.app import create_app
+from mlxserve.server.codec import Codec
+from mlxserve.server.runtime import Runtime
+from tests.server.fakes import FakeBackend
+from tests.server.live import MODEL, LiveServer
+
+DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "mlxserve" / "models" / "demo" / "weights"
+
+
+@pytest.fixture(scope="session")
+def codec() -> Codec:
+    return Codec.load(DEMO_TOKENIZER)
+
+
+def make_runtime(codec: Codec, backends: list[FakeBackend], **server: object) -> Runtime:
+    settings = Settings(model="demo", server=server, engine={"max_running": 2})  # type: ignore[arg-type]
+    return Runtime(settings, codec, list(backends))
+
+
+@pytest.fixture
+def fake() -> FakeBackend:
+    return FakeBackend("primary", plan={"plan_hash": "abc123", "world_size": 1})
+
+
+@pytest.fixture
+def client(codec: Codec, fake: FakeBackend) -> Iterator[TestClient]:
+    runtime = make_runtime(codec, [fake], max_queue=1, max_body_bytes=4096)
+    fake.up()
+    with TestClient(create_app(runtime), raise_server_exceptions=False) as test_client:
+        yield test_client
+
+
+LIVE_CONFIG = """
+model = "{model}"
+[engine]
+max_running = 2
+prefill_step = 64
+[server]
+port = 0
+max_queue = 1
+max_body_bytes = 65536
+ready_interval_s = 2.0
+"""
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One real server (front + one engine) shared by the end-to-end API tests."""
+    server = LiveServer(tmp_path_factory.mktemp("live"), LIVE_CONFIG.format(model=MODEL))
+    try:
+        yield server.start()
+    finally:
+        code = server.stop()
+        assert code == 0, server.tail()

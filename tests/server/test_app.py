@@ -1,0 +1,211 @@
+"""The HTTP surface with fake backends: routes, error rows, status codes and shapes."""
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from mlxserve.server.app import create_app
+from mlxserve.server.codec import Codec
+from tests.server.conftest import make_runtime
+from tests.server.fakes import FakeBackend, greedy
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+
+
+def assert_error(response, status: int, param: str | None = None) -> dict:  # type: ignore[no-untyped-def]
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert "Traceback" not in response.text
+    if param is not None:
+        assert error["param"] == param
+    return error  # type: ignore[no-any-return]
+
+
+def test_health_and_ready(client: TestClient) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    ready = client.get("/ready")
+    assert ready.status_code == 200
+    assert ready.json()["active"] == "primary"
+
+
+def test_models_and_policy(client: TestClient) -> None:
+    models = client.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == ["demo"]
+    assert client.get("/v1/models/demo").json()["id"] == "demo"
+    assert_error(client.get("/v1/models/gpt-4"), 404, "model")
+    assert client.get("/v1/policy").json()["plan_hash"] == "abc123"
+
+
+def test_chat_completion(client: TestClient, codec: Codec, fake: FakeBackend) -> None:
+    response = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0})
+    assert response.status_code == 200
+    body = response.json()
+    assert response.headers["x-mlxserve-backend"] == "primary"
+    prompt = codec.chat_ids([{"role": "user", "content": "Hello"}])
+    assert list(fake.calls[0].prompt_ids) == prompt
+    assert body["choices"][0]["message"]["content"] == codec.decode(greedy(prompt, 4))
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 4,
+        "total_tokens": len(prompt) + 4,
+    }
+
+
+def test_stream_with_usage(client: TestClient) -> None:
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_completions_token_prompt(client: TestClient, fake: FakeBackend) -> None:
+    response = client.post("/v1/completions", json={"model": "demo", "prompt": [10, 11, 12]})
+    assert response.status_code == 200
+    assert list(fake.calls[0].prompt_ids) == [10, 11, 12]
+    assert fake.calls[0].max_tokens == 16  # OpenAI's default for completions
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "temperature": 3}, "temperature"),
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "top_p": 0}, "top_p"),
+        ({**CHAT, "max_tokens": 0}, "max_tokens"),
+        ({**CHAT, "messages": []}, "messages"),
+        ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({**CHAT, "stop": ["a"] * 17}, "stop"),
+        ({**CHAT, "logprobs": True}, "logprobs"),
+        ({"messages": CHAT["messages"]}, "model"),
+        ({**CHAT, "max_tokens": 300}, "max_tokens"),  # prompt + max_tokens > context 256
+        ({**CHAT, "max_completion_tokens": 300}, "max_completion_tokens"),
+    ],
+)
+def test_invalid_chat_fields_are_400(
+    client: TestClient, fake: FakeBackend, body: dict, param: str
+) -> None:
+    assert_error(client.post("/v1/chat/completions", json=body), 400, param)
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "demo"}, "prompt"),
+        ({"model": "demo", "prompt": []}, "prompt"),
+        ({"model": "demo", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "demo", "prompt": [1, 5000]}, "prompt"),
+        ({"model": "demo", "prompt": "x", "echo": True}, "echo"),
+        ({"model": "demo", "prompt": "x" * 300, "max_tokens": 1}, "messages"),
+    ],
+)
+def test_invalid_completion_fields_are_400(client: TestClient, body: dict, param: str) -> None:
+    assert_error(client.post("/v1/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("raw", [b"{", b"[1, 2]", b"\xff\xfe", b"", b"null"])
+def test_malformed_json_is_400(client: TestClient, raw: bytes) -> None:
+    response = client.post(
+        "/v1/chat/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert assert_error(response, 400)["code"] == "invalid_json"
+
+
+def test_unknown_model_is_404_and_never_reaches_a_backend(
+    client: TestClient, fake: FakeBackend
+) -> None:
+    error = assert_error(
+        client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4"}), 404, "model"
+    )
+    assert error["code"] == "model_not_found"
+    assert fake.calls == []
+
+
+def test_body_over_the_limit_is_413(client: TestClient) -> None:
+    big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_error(client.post("/v1/chat/completions", json=big), 413)
+
+    def chunked():  # type: ignore[no-untyped-def]
+        yield json.dumps(big).encode()
+
+    assert_error(client.post("/v1/chat/completions", content=chunked()), 413)
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    assert_error(client.get("/v1/nothing"), 404)
+    assert_error(client.get("/v1/chat/completions"), 405)
+
+
+def test_queue_full_is_429_with_retry_after(codec: Codec) -> None:
+    slow = FakeBackend("primary", delay_s=0.2)
+    runtime = make_runtime(codec, [slow], max_queue=0)
+    slow.up()
+    with TestClient(create_app(runtime)) as client:
+        # max_running is 2 and the queue holds none: a third concurrent request is refused.
+        streams = [
+            client.stream(
+                "POST", "/v1/chat/completions", json={**CHAT, "stream": True, "max_tokens": 50}
+            )
+            for _ in range(2)
+        ]
+        for stream in streams:
+            stream.__enter__()
+        response = client.post("/v1/chat/completions", json=CHAT)
+        error = assert_error(response, 429)
+        assert error["type"] == "rate_limit_error"
+        assert response.headers["retry-after"] == "1"
+        for stream in streams:
+            stream.__exit__(None, None, None)
+
+
+def test_no_healthy_backend_is_503_with_retry_after(codec: Codec) -> None:
+    down = FakeBackend("primary")
+    runtime = make_runtime(codec, [down], retry_attempts=2, retry_backoff_s=0.01)
+    down.up()
+    down.fail()
+    with TestClient(create_app(runtime)) as client:
+        response = client.post("/v1/chat/completions", json=CHAT)
+        assert_error(response, 503)
+        assert response.headers["retry-after"] == "1"
+        assert client.get("/ready").status_code == 503
+
+
+def test_internal_error_is_500_without_internals(codec: Codec) -> None:
+    buggy = FakeBackend("primary", crash=True)
+    runtime = make_runtime(codec, [buggy])
+    buggy.up()
+    with TestClient(create_app(runtime), raise_server_exceptions=False) as client:
+        response = client.post("/v1/chat/completions", json=CHAT)
+        error = assert_error(response, 500)
+        assert error["message"] == "internal server error"
+        assert "fake bug" not in response.text
+
+
+def test_backend_rejection_is_502_and_not_retried(codec: Codec) -> None:
+    picky = FakeBackend("primary", reject=True)
+    runtime = make_runtime(codec, [picky])
+    picky.up()
+    with TestClient(create_app(runtime)) as client:
+        assert_error(client.post("/v1/chat/completions", json=CHAT), 502)
+    assert len(picky.calls) == 1
+
+
+def test_metrics_count_requests_and_tokens(client: TestClient) -> None:
+    client.post("/v1/chat/completions", json=CHAT)
+    client.post("/v1/chat/completions", json={**CHAT, "n": 3})
+    text = client.get("/metrics").text
+    assert 'mlxserve_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
+    assert 'mlxserve_requests_total{endpoint="/v1/chat/completions",status="400"} 1.0' in text
+    assert "mlxserve_completion_tokens_total 4.0" in text
+    assert "mlxserve_time_to_first_token_seconds_count 1.0" in text
+    assert 'mlxserve_backend_healthy{backend="primary"} 1.0' in text

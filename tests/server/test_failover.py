@@ -1,0 +1,188 @@
+"""Failover with real engine processes: a hang, a crash and a `kill -9` of the primary.
+
+Each scenario: a primary and a local fallback engine on the same model; the
+primary alone carries the fault (its environment) and a 2 s progress timeout
+(its policy). Four concurrent greedy streams must each end with exactly the
+text an undisturbed run gives, /metrics must count one failover, and the
+primary must come back and serve the next request.
+"""
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.live import MODEL, LiveServer
+
+pytestmark = pytest.mark.slow
+
+PROGRESS_TIMEOUT_S = 2.0
+FAULT_STEP = 20
+MAX_TOKENS = 48
+PROMPTS = [
+    "Python reference: for",
+    "Python reference: while",
+    "Python reference: import",
+    "Python reference: lambda",
+]
+
+
+def config(fault: str | None) -> str:
+    fault_env = f'engine_env = {{ MLXSERVE_FAULT_{fault} = "{FAULT_STEP}" }}' if fault else ""
+    return f"""
+model = "{MODEL}"
+[policy]
+overrides = ["progress_timeout_s={PROGRESS_TIMEOUT_S}"]
+[server]
+port = 0
+ready_interval_s = 30.0
+retry_attempts = 8
+retry_backoff_s = 0.2
+retry_backoff_max_s = 2.0
+restart_backoff_s = 0.2
+{fault_env}
+[[fallback]]
+name = "standby"
+model = "{MODEL}"
+"""
+
+
+@dataclass
+class Stream:
+    prompt: str
+    chunks: list[tuple[float, str]] = field(default_factory=list)
+    finish: str | None = None
+    error: str | None = None
+    backend: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(piece for _, piece in self.chunks)
+
+
+def run_stream(url: str, stream: Stream) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": stream.prompt}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": True,
+    }
+    try:
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{url}/v1/chat/completions", json=body) as response,
+        ):
+            stream.backend = response.headers.get("x-mlxserve-backend")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    stream.error = chunk["error"]["message"]
+                    continue
+                choice = chunk["choices"][0]
+                stream.chunks.append((time.time(), choice["delta"].get("content") or ""))
+                stream.finish = choice.get("finish_reason") or stream.finish
+    except Exception as exc:
+        stream.error = repr(exc)
+
+
+def run_all(url: str, on_started: "callable[[list[Stream]], None] | None" = None) -> list[Stream]:  # type: ignore[valid-type]
+    streams = [Stream(prompt) for prompt in PROMPTS]
+    threads = [threading.Thread(target=run_stream, args=(url, s)) for s in streams]
+    for thread in threads:
+        thread.start()
+    if on_started is not None:
+        on_started(streams)
+    for thread in threads:
+        thread.join(180)
+    return streams
+
+
+def primary_pid(server: LiveServer) -> int:
+    _, detail = server.ready()
+    pid = detail["backends"][0]["pid"]
+    assert isinstance(pid, int)
+    return pid
+
+
+def incidents(server: LiveServer, count: int) -> list[dict[str, object]]:
+    """The incidents, once `count` are recorded (the exit is noticed just after the failover)."""
+    deadline = time.monotonic() + 30
+    while True:
+        _, detail = server.ready()
+        found: list[dict[str, object]] = detail["incidents"]
+        if len(found) >= count or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def check_recovery(server: LiveServer, disturbed: list[Stream]) -> list[Stream]:
+    """The primary comes back, serves the next requests, and they equal the disturbed ones."""
+    server.wait_ready(180, active="primary")
+    reference = run_all(server.url)
+    for stream in reference:
+        assert stream.error is None, stream.error
+        assert stream.backend == "primary"
+    for got, want in zip(disturbed, reference, strict=True):
+        assert got.error is None, got.error
+        assert got.text == want.text, (got.prompt, got.text, want.text)
+        assert got.finish == want.finish
+    return reference
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LiveServer]:
+    live = LiveServer(tmp_path, config(request.param))
+    try:
+        yield live.start()
+    finally:
+        code = live.stop()
+        assert code == 0, live.tail()
+
+
+@pytest.mark.parametrize("server", ["HANG_AT_STEP"], indirect=True)
+def test_hang_watchdog_exit_and_resume(server: LiveServer) -> None:
+    streams = run_all(server.url)
+    found = incidents(server, 1)
+    assert [(i["backend"], i["kind"]) for i in found] == [("primary", "watchdog")], server.tail()
+    assert found[0]["exit_code"] == 75
+    exited = found[0]["at"]
+    assert isinstance(exited, float)
+    # The hang starts right after the last token the primary delivered.
+    last_before = max(t for s in streams for t, _ in s.chunks if t < exited)
+    assert exited - last_before <= PROGRESS_TIMEOUT_S + 2.0, exited - last_before
+    assert any(t > exited for s in streams for t, _ in s.chunks), "no stream was resumed"
+    assert server.metric("mlxserve_failovers_total") == 1
+    assert server.metric("mlxserve_incidents_total", kind="watchdog") == 1
+    assert any("incident: backend 'primary' watchdog" in line for line in server.lines)
+    check_recovery(server, streams)
+
+
+@pytest.mark.parametrize("server", ["CRASH_AT_STEP"], indirect=True)
+def test_crash_then_kill_9(server: LiveServer) -> None:
+    streams = run_all(server.url)
+    assert [i["kind"] for i in incidents(server, 1)] == ["crash"], server.tail()
+    assert server.metric("mlxserve_failovers_total") == 1
+    check_recovery(server, streams)
+
+    # The restarted primary runs without the fault; now kill it mid-stream.
+    def kill_when_streaming(streams: list[Stream]) -> None:
+        deadline = time.monotonic() + 60
+        while not all(s.chunks for s in streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(primary_pid(server), signal.SIGKILL)
+
+    killed = run_all(server.url, kill_when_streaming)
+    assert [i["kind"] for i in incidents(server, 2)] == ["crash", "killed"]
+    assert server.metric("mlxserve_failovers_total") == 2
+    assert server.metric("mlxserve_request_retries_total", backend="primary") >= 1
+    check_recovery(server, killed)
