@@ -123,6 +123,9 @@ def _add_generate(commands: Any) -> None:
         metavar="{0..5}",
         help="MTP draft depth (0: off; default: config, 3 for MTP models)",
     )
+    generate.add_argument(
+        "--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)"
+    )
     generate.add_argument("--raw", action="store_true", help="do not apply the chat template")
     generate.add_argument("--json", action="store_true", help="print one JSON document")
     generate.set_defaults(handler=_cmd_generate)

@@ -8,8 +8,19 @@ import uuid
 from typing import Any
 
 from mlxserve.config import Settings
-from mlxserve.engine.request import FinishEvent, GenerationRequest, SamplingParams, TokensEvent
+from mlxserve.engine.engine import RequestStream
+from mlxserve.engine.request import (
+    Event,
+    FinishEvent,
+    GenerationRequest,
+    SamplingParams,
+    TokensEvent,
+)
 from mlxserve.errors import UsageError
+from mlxserve.server.stops import TextStream
+
+# A request cannot need more steps than this; a bound, not a budget.
+MAX_STEPS = 10_000_000
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
@@ -21,8 +32,14 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def stream_is_empty(stream: Any) -> bool:
-    return bool(stream._events.empty())
+def drain(stream: RequestStream) -> list[Event]:
+    """The events that are ready now, without waiting."""
+    events: list[Event] = []
+    while True:
+        try:
+            events.append(stream.get(timeout=0))
+        except queue.Empty:
+            return events
 
 
 def run_generate(settings: Settings, args: argparse.Namespace) -> int:
@@ -51,33 +68,38 @@ def run_generate(settings: Settings, args: argparse.Namespace) -> int:
     tokens: list[int] = []
     finish: FinishEvent | None = None
     first_token_at = None
-    detokenizer = loaded.tokenizer.detokenizer
-    detokenizer.reset()
-    while finish is None:
-        if not engine.run_once() and stream_is_empty(stream):
-            raise UsageError("the engine stopped without finishing the request")
-        while True:
-            try:
-                event = stream.get(timeout=0)
-            except queue.Empty:
-                break
+    text = TextStream(loaded.tokenizer.detokenizer, list(args.stop or []))
+    output: list[str] = []
+
+    def show(piece: str) -> None:
+        output.append(piece)
+        if not args.json:
+            print(piece, end="", flush=True)
+
+    for _ in range(MAX_STEPS):
+        progressed = engine.run_once()
+        for event in drain(stream):
             if isinstance(event, TokensEvent):
                 first_token_at = first_token_at or time.perf_counter()
                 tokens.extend(event.token_ids)
-                for token in event.token_ids:
-                    detokenizer.add_token(token)
-                if not args.json:
-                    print(detokenizer.last_segment, end="", flush=True)
-            elif isinstance(event, FinishEvent):
+                show(text.push(list(event.token_ids)))
+                if text.stopped:
+                    engine.cancel(request.request_id)
+            else:
                 finish = event
-                break
-    detokenizer.finalize()
+        if finish is not None:
+            break
+        if not progressed:
+            raise UsageError("the engine stopped without finishing the request")
+    assert finish is not None
+    show(text.finish())
+    reason = "stop" if text.stopped else finish.finish_reason
     elapsed = time.perf_counter() - started
     if args.json:
         document = {
-            "text": detokenizer.text,
+            "text": "".join(output),
             "token_ids": tokens,
-            "finish_reason": finish.finish_reason,
+            "finish_reason": reason,
             "usage": {
                 "prompt_tokens": finish.usage.prompt_tokens,
                 "completion_tokens": finish.usage.completion_tokens,
@@ -92,7 +114,7 @@ def run_generate(settings: Settings, args: argparse.Namespace) -> int:
         }
         print(json.dumps(document, indent=2))
     else:
-        print(detokenizer.last_segment)
+        print()
     if finish.finish_reason == "error":
         raise UsageError(f"generation failed: {finish.error}")
     return 0

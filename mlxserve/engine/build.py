@@ -60,8 +60,7 @@ def load_for_serving(settings: Settings, plan: Plan, rank: int) -> LoadedModel:
     from mlxserve.models import load
 
     model, tokenizer = load(settings.model)
-    report = apply_moe_policy(model, plan, rank)
-    log.info("MoE kernel policy on rank %d: %s", rank, report)
+    apply_moe_policy(model, plan, rank)  # logs what it did
     depth = speculative_depth(settings, model)
     materialize(model)
     return LoadedModel(model, tokenizer, adapter_for(model, depth), depth)

@@ -18,6 +18,8 @@ from typing import Any
 
 from mlx.nn.layers.base import Module
 
+from mlxserve.errors import UsageError
+
 ModelAndTokenizer = tuple[Module, Any]
 SourceFactory = Callable[[], ModelAndTokenizer]
 
@@ -64,13 +66,25 @@ def get_model_classes(config: dict[str, Any]) -> tuple[type[Module], type]:
 
 
 def _resolve(path: str | Path) -> Path:
+    """A local model directory, or a Hugging Face repository id fetched by mlx-lm.
+
+    Anything else is the operator's mistake and a `UsageError` naming it.
+    """
     local = Path(path)
-    if local.exists():
+    if local.is_dir():
         return local
-    # Not a local directory: let mlx_lm fetch (or find in its cache) the repository.
+    text = str(path)
+    looks_like_repo = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if local.exists() or not looks_like_repo:
+        raise UsageError(f"model {text!r}: no such model directory")
     from mlx_lm.utils import _download
 
-    resolved: Path = _download(str(path))
+    try:
+        resolved: Path = _download(text)
+    except Exception as exc:  # hub errors come in many types; all mean "not available"
+        raise UsageError(
+            f"model {text!r}: not a local directory, and fetching it failed: {exc}"
+        ) from None
     return resolved
 
 

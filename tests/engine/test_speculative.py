@@ -101,3 +101,40 @@ def test_rollback_leaves_exactly_the_state_of_the_emitted_tokens(v4: Module) -> 
         ref, _ = v4.mtp_forward(streams, successors, v4.make_mtp_cache()[0], 0)
         assert mx.allclose(draft[0, -1], ref[0, -1], atol=1e-4).item()
     assert accepted_total > 0  # the accepted path was exercised
+
+
+@pytest.mark.slow
+def test_speculative_sampling_keeps_the_distribution() -> None:
+    """Chi-square two-sample tests on tokens 2 and 3 of many short sampled runs:
+    drafting (rejection sampling, depth 2) vs plain sampling. Token 1 is always
+    sampled plainly; tokens 2-3 come from one draft + verify round. The drafter is
+    made 4x sharper than the main model, so keeping its drafts unchecked would
+    change the distribution."""
+    from scipy.stats import chi2_contingency
+
+    v4 = tiny_v4()
+    v4.mtp[0].norm.weight = v4.mtp[0].norm.weight * 4
+
+    def samples(depth: int, runs: int) -> list[list[int]]:
+        engine = Engine(MTPAdapter(v4), EngineConfig(speculative_depth=depth))
+        out = []
+        for seed in range(runs):
+            sampling = SamplingParams(temperature=0.6, seed=seed)
+            request = GenerationRequest(f"r{seed}", PROMPT[:12], 3, sampling)
+            out.append(run(engine, request)[f"r{seed}"][0])
+        return out
+
+    runs = 250
+    plain, drafted = samples(0, runs), samples(2, runs)
+    for position in (1, 2):
+        a = [tokens[position] for tokens in plain]
+        b = [tokens[position] for tokens in drafted]
+        frequent = sorted({t for t in a + b if a.count(t) + b.count(t) >= 10})
+        assert len(frequent) >= 2  # there are bins to compare
+        table = [
+            [x.count(t) for t in frequent] + [sum(1 for v in x if v not in frequent)]
+            for x in (a, b)
+        ]
+        if table[0][-1] + table[1][-1] == 0:
+            table = [row[:-1] for row in table]
+        assert chi2_contingency(table).pvalue > 0.001
