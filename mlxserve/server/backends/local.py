@@ -85,6 +85,7 @@ class LocalEngine(Backend):
         self._streams: dict[str, asyncio.Queue[_Item]] = {}
         self._status_waiters: deque[asyncio.Future[Status]] = deque()
         self._connected = False
+        self._stopping = False  # a lost connection during stop() is expected, not a warning
         self._exited = asyncio.Event()
         self.exit_code: int | None = None
         self.exited_at: float | None = None
@@ -195,6 +196,7 @@ class LocalEngine(Backend):
         return hello
 
     async def stop(self) -> None:
+        self._stopping = True
         proc = self._proc
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -218,6 +220,7 @@ class LocalEngine(Backend):
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+        self._stopping = False
 
     async def wait_exit(self) -> int | None:
         await self._exited.wait()
@@ -307,7 +310,8 @@ class LocalEngine(Backend):
 
     def _lost(self, reason: str) -> None:
         if self._connected:
-            log.warning("engine '%s' is gone: %s", self.name, reason)
+            level = logging.INFO if self._stopping else logging.WARNING
+            log.log(level, "engine '%s' is gone: %s", self.name, reason)
         self._connected = False
         self.set_healthy(False)
         error = BackendUnavailable(f"engine '{self.name}' {reason}")
