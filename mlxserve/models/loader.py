@@ -5,6 +5,12 @@ loading and ``sanitize`` behave as in ``mlx_lm``) and ``mlx_lm``'s tokenizer wra
 Only the choice of model class differs: ``model_type == "deepseek_v4"`` selects
 ``mlxserve.models.deepseek_v4``; every other type is left to ``mlx_lm``.
 
+DeepSeek's published FP8 / FP4 checkpoints (``quantization_config`` of
+``quant_method: fp8``) load with their weights still packed: the model's ``sanitize``
+repacks them into MLX's ``mxfp8`` / ``mxfp4`` layouts, and ``load_model`` tells
+``mlx_lm`` to quantise exactly the modules that then carry ``.scales`` (see
+``_packed_quantization``).
+
 Named sources (for example a built-in ``"demo"`` model) can be plugged in with
 ``register_source``; ``load`` consults them before treating ``path`` as a directory
 or a Hugging Face repository.
@@ -28,6 +34,19 @@ _SOURCES: dict[str, SourceFactory] = {}
 #: model_type -> module (with Model and ModelArgs) that mlxserve provides itself.
 _OWN_MODEL_TYPES = {"deepseek_v4": "mlxserve.models.deepseek_v4"}
 
+
+#: model_types whose ``sanitize`` repacks DeepSeek's FP8 / FP4 weights (``.scale``).
+_PACKED_FP8_TYPES = frozenset({"deepseek_v4"})
+
+#: The ``quantization`` handed to ``mlx_lm`` for such checkpoints. Its ``_quantize``
+#: only touches modules with ``.scales`` and infers each one's mode from them
+#: (``infer_quant_config``: 4 bits per group of 32 -> mxfp4, 8 bits -> mxfp8), so this
+#: default mode is never the one that decides.
+_MX_QUANTIZATION = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
+
+#: What the ``expert_dtype`` of DeepSeek's quantization_config may say (the sanitiser
+#: recognises each from the packed shapes; bf16 experts simply have no ``.scale``).
+_EXPERT_DTYPES = (None, "fp4", "fp8", "bf16")
 
 #: Built-in named sources, registered on first use: name -> "module:function".
 _BUILTIN_SOURCES = {"demo": "mlxserve.models.demo:load_demo"}
@@ -88,14 +107,94 @@ def _resolve(path: str | Path) -> Path:
     return resolved
 
 
+def _is_power_of_two(value: object) -> bool:
+    """Block sizes must be positive powers of two (bools are ints, but not sizes)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        return False
+    return value & (value - 1) == 0
+
+
+def _fp8_config_problem(quant: object) -> str | None:
+    """Why ``quant`` is not DeepSeek's FP8 format that ``packed.py`` reads, or None.
+
+    The scales must be powers of two (``ue8m0``) to become e8m0 without loss, and
+    the blocks powers of two whose columns cover whole 32-element groups, which is
+    what the sanitiser infers block sizes from.
+    """
+    if not isinstance(quant, dict):
+        return "it is not a mapping"
+    if quant.get("quant_method") != "fp8":
+        return f"quant_method {quant.get('quant_method')!r}"
+    if quant.get("fmt", "e4m3") != "e4m3":
+        return f"fmt {quant.get('fmt')!r}"
+    if quant.get("scale_fmt") != "ue8m0":
+        return f"scale_fmt {quant.get('scale_fmt')!r} (power-of-two 'ue8m0' scales needed)"
+    block = quant.get("weight_block_size")
+    if (
+        not isinstance(block, list | tuple)
+        or len(block) != 2
+        or not all(_is_power_of_two(b) for b in block)
+        or block[1] < 32
+    ):
+        return f"weight_block_size {block!r}"
+    if quant.get("expert_dtype") not in _EXPERT_DTYPES:
+        return f"expert_dtype {quant.get('expert_dtype')!r}"
+    return None
+
+
+def _packed_quantization(config: dict[str, Any], source: Path) -> dict[str, Any] | None:
+    """The ``quantization`` to give ``mlx_lm`` for ``config``, or None to leave it be.
+
+    Only our model types that read DeepSeek's FP8 / FP4 packing are concerned, and only
+    when ``config`` holds DeepSeek's ``quantization_config`` rather than ``mlx_lm``'s
+    own ``quantization`` (a converted checkpoint). ``mlx_lm`` silently ignores an
+    ``fp8`` quantization_config unless its blocks are 32 x 32, which would end in a
+    puzzling "unexpected .scales" error, so anything we cannot read is refused here,
+    by name.
+    """
+    if config.get("model_type") not in _PACKED_FP8_TYPES or "quantization" in config:
+        return None
+    text_config = config.get("text_config")
+    quant = config.get("quantization_config")
+    if quant is None and isinstance(text_config, dict):
+        quant = text_config.get("quantization_config")
+    if not quant:  # as in mlx_lm, an empty quantization_config means none
+        return None
+    problem = _fp8_config_problem(quant)
+    if problem is not None:
+        raise UsageError(
+            f"model {str(source)!r}: unsupported quantization_config {quant!r} ({problem}). "
+            f"model_type {config['model_type']!r} reads DeepSeek's FP8 / FP4 checkpoints "
+            "(quant_method 'fp8', fmt 'e4m3', scale_fmt 'ue8m0', power-of-two "
+            "weight_block_size of at least 32 columns) and MLX-quantised ones "
+            "('quantization' in config.json)."
+        )
+    return dict(_MX_QUANTIZATION)
+
+
 def load_model(
     path: str | Path, *, lazy: bool = False, model_config: dict[str, Any] | None = None
 ) -> tuple[Module, dict[str, Any]]:
-    """Load only the model (no tokenizer); returns ``(model, config)``."""
+    """Load only the model (no tokenizer); returns ``(model, config)``.
+
+    For DeepSeek FP8 / FP4 checkpoints the ``quantization`` passed to ``mlx_lm``
+    replaces ``quantization_config`` as well, as ``mlx_lm`` does for the formats it
+    reads itself, so the returned (and any re-saved) config describes the MLX layout.
+    """
+    from mlx_lm.utils import load_config
     from mlx_lm.utils import load_model as mlx_load_model
 
+    model_path = _resolve(path)
+    config: dict[str, Any] = {**load_config(model_path), **(model_config or {})}
+    quantization = _packed_quantization(config, model_path)
+    if quantization is not None:
+        model_config = {
+            **(model_config or {}),
+            "quantization": quantization,
+            "quantization_config": quantization,
+        }
     model, config = mlx_load_model(
-        _resolve(path),
+        model_path,
         lazy=lazy,
         model_config=model_config,
         get_model_classes=get_model_classes,

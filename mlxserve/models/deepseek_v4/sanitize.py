@@ -13,8 +13,14 @@ Accepted layouts (each may carry a leading ``model.``, as ``transformers``'
 
 Experts are stacked into ``switch_mlp.{gate,up,down}_proj`` (w1, w3, w2), the shared
 expert gets ``mlx_lm``'s names, ``wo_a`` is split into its output groups and
-``tid2eid`` becomes int32. FP8 / FP4 packed checkpoints (``.scale`` tensors) are not
-handled yet.
+``tid2eid`` becomes int32.
+
+FP8 / FP4 packed weights (DeepSeek's published checkpoints: ``X.weight`` codes plus
+``X.scale``, per expert too) stay packed: they become ``X.weight`` (uint32 view) plus
+``X.scales`` (e8m0, one per 32 input elements of each row) in MLX's ``mxfp8`` /
+``mxfp4`` layouts (see ``packed.py``), which ``mlx_lm``'s loader quantises the matching
+modules for. Expert weights and their scales are stacked alike; ``wo_a``'s scales are
+split into its output groups like its weight.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import re
 
 import mlx.core as mx
 
-_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.weight$")
+from .packed import repack
+
+_EXPERT = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 _PROJ = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _BLOCK_RENAMES = (
     (".hc_attn_fn", ".hc_attn.fn"),
@@ -70,27 +78,52 @@ def _rename(key: str) -> str:
 def sanitize_weights(weights: dict[str, mx.array], o_groups: int) -> dict[str, mx.array]:
     """Return the weights renamed and reshaped for ``Model`` (see the module docstring)."""
     out: dict[str, mx.array] = {}
-    experts: dict[tuple[str, str], dict[int, mx.array]] = {}
-    for raw_key, value in weights.items():
-        key = raw_key.removeprefix("model.")
+    experts: dict[tuple[str, str], dict[int, dict[str, mx.array]]] = {}
+    stripped = {key.removeprefix("model."): value for key, value in weights.items()}
+    for key, value in stripped.items():
         match = _EXPERT.match(key)
         if match is not None:
-            kind, block, index, proj = match.groups()
-            experts.setdefault((f"{kind}.{block}", proj), {})[int(index)] = value
+            kind, block, index, proj, part = match.groups()
+            rows = experts.setdefault((f"{kind}.{block}", proj), {})
+            rows.setdefault(int(index), {})[part] = value
             continue
+        base = key.removesuffix(".scale")
+        if base != key and f"{base}.weight" in stripped:
+            continue  # packed together with its weight
         name = _rename(key)
+        scales = None
+        if key.endswith(".weight"):
+            scale = stripped.get(f"{key.removesuffix('.weight')}.scale")
+            if scale is not None:
+                value, scales = repack(value, scale, key)
         if name.endswith(".attn.wo_a.weight") and value.ndim == 2:
             value = value.reshape(o_groups, -1, value.shape[-1])
+            if scales is not None:
+                scales = scales.reshape(o_groups, -1, scales.shape[-1])
         if name.endswith(".gate.tid2eid"):
             value = value.astype(mx.int32)
         out[name] = value
+        if scales is not None:
+            out[f"{name.removesuffix('.weight')}.scales"] = scales
 
     for (block, proj), rows in experts.items():
         if sorted(rows) != list(range(len(rows))):
             raise ValueError(f"{block} has experts {sorted(rows)} for {proj}: some are missing.")
+        parts = [rows[i] for i in range(len(rows))]
+        if any("weight" not in part for part in parts):
+            raise ValueError(f"{block} has a scale but no weight for some {proj} experts.")
         prefix = f"model.{block}" if block.startswith("layers.") else block
-        stacked = mx.stack([rows[i] for i in range(len(rows))])
-        out[f"{prefix}.ffn.switch_mlp.{_PROJ[proj]}.weight"] = stacked
+        name = f"{prefix}.ffn.switch_mlp.{_PROJ[proj]}"
+        stacked = mx.stack([part["weight"] for part in parts])
+        with_scale = sum("scale" in part for part in parts)
+        if with_scale and with_scale != len(parts):
+            raise ValueError(f"{block}: only some {proj} experts have scales.")
+        if with_scale:
+            scales = mx.stack([part["scale"] for part in parts])
+            stacked, out[f"{name}.scales"] = repack(
+                stacked, scales, f"{block}.ffn.experts.*.{proj}"
+            )
+        out[f"{name}.weight"] = stacked
     return out
 
 
