@@ -7,7 +7,7 @@ import pytest
 from mlxserve.engine.build import adapter_for, materialize
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.request import GenerationRequest
-from tests.engine.test_engine_plain import run
+from tests.engine.drive import run
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,8 @@ from mlx_lm.generate import generate_step
 
 from mlxserve.engine.adapter import PlainAdapter
 from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.request import FinishEvent, GenerationRequest, SamplingParams, TokensEvent
+from mlxserve.engine.request import FinishEvent, GenerationRequest, SamplingParams
+from tests.engine.drive import run
 
 PROMPT = tuple(range(3, 40))
 
@@ -16,26 +17,6 @@ def reference_greedy(model: Module, prompt: tuple[int, ...], n: int) -> list[int
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
         tokens.append(int(token))
     return tokens
-
-
-def run(engine: Engine, *requests: GenerationRequest) -> dict[str, tuple[list[int], FinishEvent]]:
-    streams = [engine.submit(r) for r in requests]
-    for _ in range(10_000):
-        if not engine.run_once():
-            break
-    results = {}
-    for stream in streams:
-        tokens: list[int] = []
-        finish = None
-        while finish is None:
-            event = stream.get(timeout=1)
-            if isinstance(event, TokensEvent):
-                tokens.extend(event.token_ids)
-            else:
-                assert isinstance(event, FinishEvent)
-                finish = event
-        results[stream.request_id] = (tokens, finish)
-    return results
 
 
 def test_greedy_matches_mlx_lm(llama_model: Module) -> None:

@@ -7,7 +7,7 @@ from mlx.nn.layers.base import Module
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.request import GenerationRequest, SamplingParams
-from tests.engine.test_engine_plain import run
+from tests.engine.drive import run
 from tests.engine.v4_models import tiny_v4
 
 # Longer than the sliding window (8) and several compression groups (4 and 16).
