@@ -12,15 +12,14 @@ Run: python benchmarks/engine.py [--tokens 128] [--repeats 3]
 
 import argparse
 import json
-import queue
 import statistics
-import time
 from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.engine.drive import run_to_completion
 from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.request import FinishEvent, GenerationRequest
 
 PROMPT = "Explain how the assert statement works and when it is removed."
 
@@ -28,21 +27,8 @@ PROMPT = "Explain how the assert statement works and when it is removed."
 def run_one(
     engine: Engine, request: GenerationRequest
 ) -> tuple[list[int], FinishEvent, float, float]:
-    started = time.perf_counter()
-    stream = engine.submit(request)
-    tokens: list[int] = []
-    first = 0.0
-    while True:
-        engine.run_once()
-        try:
-            event = stream.get(timeout=0)
-        except queue.Empty:
-            continue
-        if isinstance(event, TokensEvent):
-            first = first or time.perf_counter() - started
-            tokens.extend(event.token_ids)
-        elif isinstance(event, FinishEvent):
-            return tokens, event, first, time.perf_counter() - started
+    done = run_to_completion(engine, request)
+    return done.tokens, done.finish, done.ttft_s, done.total_s
 
 
 def decode_rate(engine: Engine, prompt: tuple[int, ...], n: int, repeats: int) -> tuple[float, Any]:

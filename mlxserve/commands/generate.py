@@ -2,25 +2,14 @@
 
 import argparse
 import json
-import queue
-import time
 import uuid
 from typing import Any
 
 from mlxserve.config import Settings
-from mlxserve.engine.engine import RequestStream
-from mlxserve.engine.request import (
-    Event,
-    FinishEvent,
-    GenerationRequest,
-    SamplingParams,
-    TokensEvent,
-)
+from mlxserve.engine.drive import run_to_completion
+from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.errors import UsageError
 from mlxserve.server.stops import TextStream
-
-# A request cannot need more steps than this; a bound, not a budget.
-MAX_STEPS = 10_000_000
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
@@ -30,16 +19,6 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids)
     return list(tokenizer.encode(text))
-
-
-def drain(stream: RequestStream) -> list[Event]:
-    """The events that are ready now, without waiting."""
-    events: list[Event] = []
-    while True:
-        try:
-            events.append(stream.get(timeout=0))
-        except queue.Empty:
-            return events
 
 
 def run_generate(settings: Settings, args: argparse.Namespace) -> int:
@@ -63,11 +42,6 @@ def run_generate(settings: Settings, args: argparse.Namespace) -> int:
         sampling=sampling,
         stop_token_ids=frozenset(loaded.tokenizer.eos_token_ids),
     )
-    started = time.perf_counter()
-    stream = engine.submit(request)
-    tokens: list[int] = []
-    finish: FinishEvent | None = None
-    first_token_at = None
     text = TextStream(loaded.tokenizer.detokenizer, list(args.stop or []))
     output: list[str] = []
 
@@ -76,29 +50,21 @@ def run_generate(settings: Settings, args: argparse.Namespace) -> int:
         if not args.json:
             print(piece, end="", flush=True)
 
-    for _ in range(MAX_STEPS):
-        progressed = engine.run_once()
-        for event in drain(stream):
-            if isinstance(event, TokensEvent):
-                first_token_at = first_token_at or time.perf_counter()
-                tokens.extend(event.token_ids)
-                show(text.push(list(event.token_ids)))
-                if text.stopped:
-                    engine.cancel(request.request_id)
-            else:
-                finish = event
-        if finish is not None:
-            break
-        if not progressed:
-            raise UsageError("the engine stopped without finishing the request")
-    assert finish is not None
+    def on_tokens(token_ids: tuple[int, ...]) -> bool:
+        show(text.push(list(token_ids)))
+        return text.stopped  # a stop string: cancel the rest
+
+    try:
+        done = run_to_completion(engine, request, on_tokens)
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    finish = done.finish
     show(text.finish())
     reason = "stop" if text.stopped else finish.finish_reason
-    elapsed = time.perf_counter() - started
     if args.json:
         document = {
             "text": "".join(output),
-            "token_ids": tokens,
+            "token_ids": done.tokens,
             "finish_reason": reason,
             "usage": {
                 "prompt_tokens": finish.usage.prompt_tokens,
@@ -108,8 +74,8 @@ def run_generate(settings: Settings, args: argparse.Namespace) -> int:
             "speculative": finish.speculative
             or {"depth": 0, "drafted": 0, "accepted": 0, "acceptance_rate": 0.0},
             "timing": {
-                "seconds": elapsed,
-                "ttft_seconds": (first_token_at or time.perf_counter()) - started,
+                "seconds": done.total_s,
+                "ttft_seconds": done.ttft_s,
             },
         }
         print(json.dumps(document, indent=2))
