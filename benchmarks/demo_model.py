@@ -30,6 +30,7 @@ from mlxserve.models.demo.evaluate import (
     encode,
     eval_samples,
     greedy_continue,
+    heldout_distinct_ngrams,
     prompt_text,
 )
 from mlxserve.models.demo.spec import MODEL_CONFIG
@@ -149,6 +150,9 @@ def main() -> None:
         "mtp_trials_per_depth": acceptance.trials,
         "mtp_mean_accepted_per_step": round(acceptance.accepted_tokens / acceptance.steps, 3),
         "heldout_prompts": PROMPTS,
+        "heldout_distinct_4grams": round(
+            heldout_distinct_ngrams(model, tokenizer, eval_samples(heldout, PROMPTS)), 3
+        ),
         "ours_vs_deepseek_v41": None,
     }
     if theirs is not None:

@@ -20,6 +20,7 @@ from mlxserve.models.demo.evaluate import (  # noqa: E402
     eval_samples,
     greedy_continue,
     heldout_acceptance,
+    heldout_distinct_ngrams,
     prompt_text,
 )
 from mlxserve.models.demo.spec import ASSISTANT, END, USER  # noqa: E402
@@ -114,9 +115,15 @@ def test_greedy_generation_is_text_and_stops_at_eos(loaded: tuple[Any, Any]) -> 
 
 
 def test_mtp_acceptance_on_heldout(loaded: tuple[Any, Any]) -> None:
+    """The issue's target: depth-1 greedy acceptance >= 0.6 on held-out prompts.
+
+    The shipped weights measure 0.727 on 48 held-out prompts (weights/training.json);
+    this checks 24 of them, and that the main model has not bought its acceptance by
+    collapsing into loops (distinct 4-grams 0.96 before the agreement phase, 0.88 after).
+    """
     model, tokenizer = loaded
-    result = heldout_acceptance(model, tokenizer, eval_samples(split()[1], 6), max_new=24)
-    assert result.trials[0] >= 60
-    # The target was >= 0.6; the shipped weights reach ~0.48-0.50 on held-out prompts
-    # (see weights/training.json), so this guards against regressions below that level.
-    assert result.rates[0] >= 0.45, result
+    samples = eval_samples(split()[1], 24)
+    result = heldout_acceptance(model, tokenizer, samples, max_new=32)
+    assert result.trials[0] >= 500
+    assert result.rates[0] >= 0.6, result
+    assert heldout_distinct_ngrams(model, tokenizer, samples[::2]) >= 0.8

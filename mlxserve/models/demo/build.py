@@ -57,11 +57,22 @@ def _is_complete(path: Path, digest: str) -> bool:
     return marker.is_file() and marker.read_text().strip() == digest
 
 
-def _write_checkpoint(source: Path, target: Path, progress: bool) -> None:
-    import mlx.core as mx
+def quantize_experts(model: Any) -> None:
+    """Quantise ``model``'s routed experts in place, exactly as the build does."""
     from mlx.nn.layers.base import Module
     from mlx.nn.layers.quantized import quantize
     from mlx_lm.models.switch_layers import SwitchLinear
+
+    from .spec import QUANT_BITS, QUANT_GROUP_SIZE
+
+    def experts_only(path: str, module: Module) -> bool:
+        return isinstance(module, SwitchLinear) and ".switch_mlp." in path
+
+    quantize(model, QUANT_GROUP_SIZE, QUANT_BITS, class_predicate=experts_only)
+
+
+def _write_checkpoint(source: Path, target: Path, progress: bool) -> None:
+    import mlx.core as mx
     from tqdm import tqdm  # type: ignore[import-untyped]
 
     from ..deepseek_v4 import Model, ModelArgs
@@ -79,10 +90,7 @@ def _write_checkpoint(source: Path, target: Path, progress: bool) -> None:
     model.load_weights(list(weights.items()), strict=True)
     bar.update()
 
-    def experts_only(path: str, module: Module) -> bool:
-        return isinstance(module, SwitchLinear) and ".switch_mlp." in path
-
-    quantize(model, QUANT_GROUP_SIZE, QUANT_BITS, class_predicate=experts_only)
+    quantize_experts(model)
     params = dict(flat_parameters(model))
     mx.save_safetensors(str(target / "model.safetensors"), params, metadata={"format": "mlx"})
     bar.update()

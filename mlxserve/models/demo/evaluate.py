@@ -138,6 +138,27 @@ def heldout_acceptance(
     return total
 
 
+def distinct_ngrams(tokens: list[int], n: int = 4) -> float:
+    """Fraction of distinct ``n``-grams in ``tokens``: 1.0 for no repeats, near 0 for a loop.
+
+    Acceptance alone rewards a main model that has collapsed into a loop (trivially
+    predictable), so training reports and tests check this next to it.
+    """
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def heldout_distinct_ngrams(
+    model: Model, tokenizer: Any, samples: list[Sample], max_new: int = 48, n: int = 4
+) -> float:
+    """Mean ``distinct_ngrams`` of greedy continuations of held-out prompts (EOS ignored)."""
+    ratios = []
+    for sample in samples:
+        prompt = encode(tokenizer, prompt_text(sample))
+        ratios.append(distinct_ngrams(greedy_continue(model, prompt, max_new, None), n))
+    return sum(ratios) / len(ratios)
+
+
 def eval_samples(heldout: list[Sample], count: int) -> list[Sample]:
     """A fixed spread of ``count`` held-out samples (evenly spaced, first one included)."""
     step = max(len(heldout) // count, 1)

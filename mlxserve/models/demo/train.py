@@ -1,16 +1,19 @@
 """Train the demo model (main model + MTP jointly) and write ``weights/``.
 
 Exact commands that produced the shipped files (seed 0, on a shared 2-core x86 CPU;
-the OpenBLAS preload makes MLX's CPU matmuls ~30x faster)::
+the OpenBLAS preload makes MLX's CPU matmuls ~30x faster). Each phase starts from the
+previous one's output (``--init-from``) and keeps its report in ``training.json``::
 
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+    W=mlxserve/models/demo/weights
     # Phase 1 (~25 min): tokenizer, then main model + MTP jointly.
-    python -m mlxserve.models.demo.train --out mlxserve/models/demo/weights \\
-        --steps 1000 --seed 0
-    # Phase 2 (~5 min): MTP self-distillation from the phase-1 weights.
-    python -m mlxserve.models.demo.train --out mlxserve/models/demo/weights \\
-        --init-from mlxserve/models/demo/weights --steps 0 --distill-steps 600 \\
-        --distill-lr 3e-3 --seed 0
+    python -m mlxserve.models.demo.train --out $W --steps 1000 --seed 0
+    # Phase 2 (~5 min): MTP self-distillation on corpus windows.
+    python -m mlxserve.models.demo.train --out $W --init-from $W --steps 0 \\
+        --distill-steps 600 --distill-lr 3e-3 --seed 0
+    # Phases 3 and 4 (~20 min): on the main model's own greedy text.
+    python -m mlxserve.models.demo.train --out $W --init-from $W --steps 0 \\
+        --agree-steps 400 --onpolicy-steps 1500 --eval-prompts 48 --seed 0
 
 Phase 1 loss: main next-token cross-entropy plus ``--mtp-weight`` times the MTP
 block's cross-entropy for token ``t + 2`` (teacher forcing: the block reads the main
@@ -22,6 +25,14 @@ corpus token: speculative decoding accepts a draft when it equals the main model
 choice, and the tiny main model overfits the corpus (held-out CE ~4 vs ~1.6), so its
 choices on new text differ from the corpus labels phase 1 taught the MTP block.
 
+Phases 3 (``--agree-steps``) and 4 (``--onpolicy-steps``) train on the main model's
+greedy continuations of training-split prompts; ``finetune`` explains them.
+
+Held-out greedy acceptance at depth 1 after each phase: 0.37, 0.495, 0.727 (48 prompts;
+depths 1-5 after phase 4: 0.73 / 0.51 / 0.38 / 0.30 / 0.25). Main model cross-entropy
+on corpus windows, train / held-out: 1.62 / 4.00 after phase 2, 1.70 / 3.91 after
+phase 4. Distinct 4-grams in held-out continuations: 0.96 after phase 2, 0.88 after.
+
 Training uses fixed seeds (MLX init, window sampling); MLX's multithreaded CPU
 reductions may still differ in the last bits between machines, which is why the
 *weights* are shipped rather than rebuilt.
@@ -31,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
@@ -39,15 +49,15 @@ from typing import Any
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx.nn.layers.base import Module
 from mlx.nn.losses import cross_entropy
 from mlx.nn.utils import value_and_grad
 from mlx.utils import tree_unflatten
 
 from ..deepseek_v4 import Model, ModelArgs
 from ..deepseek_v4.model import MTPBlock
-from . import corpus
+from . import corpus, finetune
 from .build import flat_parameters
+from .schedule import freeze_non_trainable, lr_at, scalar, train_all, train_only_mtp
 from .spec import MODEL_CONFIG
 
 WEIGHTS_FILE = "model.fp16.safetensors"
@@ -72,18 +82,8 @@ def make_model(seed: int) -> Model:
             # Break the symmetry the zero init leaves in routers and hyper-connections.
             params[key] = mx.random.normal(value.shape) * 0.02
     model.load_weights(list(params.items()))
-    _freeze_non_trainable(model)
+    freeze_non_trainable(model)
     return model
-
-
-def _freeze_non_trainable(model: Model) -> None:
-    """Hash tables are integer lookups; routing biases are set by balancing, not SGD."""
-    modules: list[tuple[str, Module]] = model.named_modules()  # type: ignore[no-untyped-call]
-    for _, module in modules:
-        if hasattr(module, "tid2eid"):
-            module.freeze(keys=["tid2eid"], recurse=False)
-        if hasattr(module, "bias") and hasattr(module, "top_k"):
-            module.freeze(keys=["bias"], recurse=False)
 
 
 def losses(model: Model, batch: mx.array) -> tuple[mx.array, mx.array]:
@@ -133,10 +133,7 @@ def distill_mtp(model: Model, train_ids: np.ndarray, opts: argparse.Namespace) -
     """Train only the MTP block towards the main model's greedy token for ``t + 2``."""
     if opts.distill_steps <= 0:
         return []
-    model.freeze()
-    for block in model.mtp:
-        block.unfreeze()
-    _freeze_non_trainable(model)
+    train_only_mtp(model)
 
     def loss_fn(m: Model, batch: mx.array) -> mx.array:
         streams = mx.stop_gradient(m.forward_hidden(batch))
@@ -162,7 +159,7 @@ def distill_mtp(model: Model, train_ids: np.ndarray, opts: argparse.Namespace) -
             value = scalar(loss)
             print(f"distill {step} loss {value:.4f} {time.time() - started:.0f}s", flush=True)
             history.append({"step": step, "loss": value})
-    model.unfreeze()
+    train_all(model)
     return history
 
 
@@ -170,18 +167,8 @@ def _as_float32(value: mx.array) -> mx.array:
     return value.astype(mx.float32) if value.dtype == mx.float16 else value
 
 
-def scalar(value: mx.array) -> float:
-    return float(np.asarray(value))
-
-
-def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(steps - warmup, 1)
-    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """Every phase's options (a phase runs when its ``--*-steps`` is positive)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=1000)
@@ -194,7 +181,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-from", type=Path, help="start from these shipped weights")
     parser.add_argument("--distill-steps", type=int, default=0)
     parser.add_argument("--distill-lr", type=float, default=1e-3)
-    opts = parser.parse_args(argv)
+    parser.add_argument("--agree-steps", type=int, default=0)
+    parser.add_argument("--agree-lr", type=float, default=1e-3)
+    parser.add_argument("--agree-weight", type=float, default=0.1)
+    parser.add_argument("--agree-corpus-batch", type=int, default=8)
+    parser.add_argument("--onpolicy-steps", type=int, default=0)
+    parser.add_argument("--onpolicy-lr", type=float, default=4e-3)
+    parser.add_argument("--onpolicy-batch", type=int, default=16)
+    parser.add_argument("--onpolicy-length", type=int, default=96)
+    parser.add_argument("--onpolicy-chars", default="20,40,60,80,120,180")
+    parser.add_argument("--onpolicy-soft", type=float, default=0.5)
+    parser.add_argument("--eval-depth", type=int, default=5)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = build_parser().parse_args(argv)
     opts.out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
@@ -244,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
             history.append({"step": step, "loss": value})
 
     distill_history = distill_mtp(model, train_ids, opts)
+    agree_report = finetune.agree(model, tokenizer, train, train_ids, opts)
+    onpolicy_report = finetune.distill_onpolicy(model, tokenizer, train, opts)
 
     # Final losses on fixed windows of both splits (no gradient, same loss as training).
     def split_losses(ids: np.ndarray, windows: int = 32) -> dict[str, float]:
@@ -267,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     import tempfile
 
     from .build import build_demo_model
-    from .evaluate import eval_samples, heldout_acceptance
+    from .evaluate import eval_samples, heldout_acceptance, heldout_distinct_ngrams
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_demo_model(Path(tmp) / "demo", progress=False, source=opts.out)
@@ -277,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         assert isinstance(built, Model)
         prompts = eval_samples(heldout, opts.eval_prompts)
         acc = heldout_acceptance(built, built_tok, prompts, max_new=32)
+        deep = heldout_acceptance(built, built_tok, prompts, max_new=32, depth=opts.eval_depth)
+        distinct = heldout_distinct_ngrams(built, built_tok, prompts)
 
     report = {
         "seed": opts.seed,
@@ -293,9 +299,15 @@ def main(argv: list[str] | None = None) -> None:
         "distill_steps": opts.distill_steps,
         "distill_lr": opts.distill_lr,
         "distill_history": distill_history,
+        "agree": agree_report,
+        "onpolicy": onpolicy_report,
         "heldout_mtp_depth1_acceptance": round(acc.rates[0], 4),
         "acceptance_trials": acc.trials[0],
         "acceptance_prompts": len(prompts),
+        "heldout_mtp_acceptance_per_depth": [round(r, 4) for r in deep.rates],
+        "acceptance_trials_per_depth": deep.trials,
+        "mean_accepted_per_draft_step": round(deep.accepted_tokens / max(deep.steps, 1), 3),
+        "heldout_distinct_4grams": round(distinct, 4),
         "corpus": {
             "source": "pydoc_data.topics.topics",
             "chunking": f"paragraph chunks of <= {corpus.CHUNK_CHARS} chars, one chat per chunk",
@@ -311,7 +323,13 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     (opts.out / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report[k] for k in ("final_losses", "heldout_mtp_depth1_acceptance")}))
+    keys = (
+        "final_losses",
+        "heldout_mtp_depth1_acceptance",
+        "heldout_mtp_acceptance_per_depth",
+        "heldout_distinct_4grams",
+    )
+    print(json.dumps({k: report[k] for k in keys}))
 
 
 if __name__ == "__main__":
