@@ -156,6 +156,23 @@ def _add_serve(commands: Any) -> None:
     serve.set_defaults(handler=_cmd_serve)
 
 
+def _cmd_demo_model(args: argparse.Namespace) -> int:
+    from mlxserve.commands.demo_model import run_demo_model
+
+    return run_demo_model(args.out, progress=not args.quiet)
+
+
+def _add_demo_model(commands: Any) -> None:
+    demo = commands.add_parser(
+        "demo-model", help="build the built-in demo checkpoint and print its directory"
+    )
+    demo.add_argument(
+        "--out", type=Path, help="target directory (default: the cache, as model = 'demo' uses)"
+    )
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.set_defaults(handler=_cmd_demo_model)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mlxserve", description=__doc__.splitlines()[0] if __doc__ else None)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -176,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain.set_defaults(handler=_cmd_policy_explain)
     _add_generate(commands)
     _add_serve(commands)
+    _add_demo_model(commands)
     return parser
 
 
