@@ -1,0 +1,107 @@
+"""One rank of the tensor-parallel check, run by ``test_deepseek_v4_tensor_parallel``.
+
+Every rank builds the same random DeepSeek-V4 (same seed), runs it whole, then shards
+it over the ring group and runs it again: prefill logits, cached decode steps and an
+MTP draft must match the unsharded model. Prints one JSON line of max differences.
+Usage: ``python -m tests.models.tp_worker [--quantize]`` under MLX_RANK/MLX_HOSTFILE.
+"""
+
+import json
+import sys
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.nn.layers.quantized import quantize
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchLinear
+
+from mlxserve.models.deepseek_v4 import Model, ModelArgs
+from mlxserve.models.deepseek_v4.model import MTPBlock
+from mlxserve.models.deepseek_v4.mtp import greedy_draft
+
+CONFIG: dict[str, Any] = {
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "moe_intermediate_size": 128,  # 4 ranks x 32: one quantization group each
+    "num_hidden_layers": 3,
+    "num_attention_heads": 8,
+    "head_dim": 16,
+    "q_lora_rank": 32,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "layer_types": [
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+    ],
+    "mlp_layer_types": ["hash_moe", "moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+    "sliding_window": 8,
+    "o_groups": 4,
+    "o_lora_rank": 16,
+    "index_n_heads": 4,
+    "index_head_dim": 8,
+    "index_topk": 4,
+    "hc_mult": 2,
+    "partial_rotary_factor": 0.25,
+    "num_nextn_predict_layers": 1,
+    "mtp_layer_types": ["sliding_attention"],
+}
+
+
+def build(quantized: bool) -> Model:
+    args = ModelArgs.from_dict(CONFIG)
+    model = Model(args)
+    model.mtp = [MTPBlock(args, t) for t in args.mtp_layer_types or []]
+    mx.random.seed(0)
+    rng = np.random.default_rng(0)
+    weights = []
+    for key, value in tree_flatten(model.parameters()):
+        if key.endswith("tid2eid"):
+            rows = [rng.permutation(args.n_routed_experts)[: args.num_experts_per_tok]]
+            value = mx.array(np.stack(rows * args.vocab_size).astype(np.int32))
+        elif value.dtype == mx.float32:
+            value = mx.random.normal(value.shape) * 0.1
+        weights.append((key, value))
+    model.load_weights(weights)
+    if quantized:
+        quantize(model, 32, 4, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    mx.eval(model.parameters())
+    return model
+
+
+def run(model: Model, tokens: mx.array) -> dict[str, np.ndarray]:
+    """Prefill, three cached decode steps, and a depth-2 MTP draft's logits path."""
+    cache = model.make_cache()
+    streams = model.forward_hidden(tokens[:, :-3], cache)
+    out = {"prefill": model.head_from_streams(streams)}
+    steps = []
+    for i in range(3, 0, -1):
+        streams = model.forward_hidden(tokens[:, -i:][:, :1], cache)
+        steps.append(model.head_from_streams(streams))
+    out["decode"] = mx.concatenate(steps, axis=1)
+    mtp_cache = model.make_mtp_cache(max_rollback=2)
+    logits, _ = model.mtp_forward(streams, tokens[:, -1:], mtp_cache[0])
+    out["mtp"] = logits
+    out["drafts"] = mx.stack(greedy_draft(model, streams, tokens[:, -1:], mtp_cache, 2))
+    mx.eval(out)
+    return {k: np.asarray(v.astype(mx.float32)) for k, v in out.items()}
+
+
+def main() -> None:
+    group = mx.distributed.init(strict=True, backend="ring")
+    quantized = "--quantize" in sys.argv
+    tokens = mx.array([[(7 * i + 3) % CONFIG["vocab_size"] for i in range(40)]])
+    model = build(quantized)
+    whole = run(model, tokens)
+    model.shard(group)
+    sharded = run(model, tokens)
+    diffs = {k: float(np.abs(whole[k] - sharded[k]).max()) for k in whole}
+    scale = float(np.abs(whole["prefill"]).max())
+    print(json.dumps({"rank": group.rank(), "size": group.size(), "scale": scale, **diffs}))
+
+
+if __name__ == "__main__":
+    main()
