@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load"]
+__all__ = ["load", "sharded_load"]
 
 
 def load(path: str | Path, **kwargs: Any) -> tuple[Any, Any]:
@@ -13,3 +13,10 @@ def load(path: str | Path, **kwargs: Any) -> tuple[Any, Any]:
     from .loader import load as _load
 
     return _load(path, **kwargs)
+
+
+def sharded_load(path: str | Path, group: Any = None, **kwargs: Any) -> tuple[Any, Any]:
+    """Load and shard over ``group``; see ``mlxserve.models.loader.sharded_load``."""
+    from .loader import sharded_load as _sharded_load
+
+    return _sharded_load(path, group, **kwargs)

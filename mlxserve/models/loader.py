@@ -221,3 +221,38 @@ def load(
         model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
     )
     return model, tokenizer
+
+
+def sharded_load(
+    path: str | Path,
+    group: Any = None,
+    *,
+    tokenizer_config: dict[str, Any] | None = None,
+    model_config: dict[str, Any] | None = None,
+) -> ModelAndTokenizer:
+    """``load`` for tensor parallelism over ``group`` (default: ``mx.distributed.init()``).
+
+    The counterpart of ``mlx_lm.utils.sharded_load`` with a tensor group, which cannot
+    see the model types mlxserve adds: the weights are loaded lazily, the model is
+    sharded (``model.shard(group)``), and only then are the weights read, so each rank
+    materialises just its own slices. Raises ``UsageError`` for a model without
+    ``shard`` or sizes the group does not divide.
+    """
+    import mlx.core as mx
+
+    group = group if group is not None else mx.distributed.init()
+    factory = _source(path) if isinstance(path, str) else None
+    if factory is not None:
+        model, tokenizer = factory()
+    else:
+        model, tokenizer = load(
+            path, tokenizer_config=tokenizer_config, model_config=model_config, lazy=True
+        )
+    if not hasattr(model, "shard"):
+        raise UsageError(f"{path}: the model has no tensor-parallel support (no shard()).")
+    try:
+        model.shard(group)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    mx.eval(model.parameters())  # type: ignore[no-untyped-call]
+    return model, tokenizer

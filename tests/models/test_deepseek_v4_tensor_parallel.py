@@ -11,22 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.ring import run_ring_ranks
+from tests.ring import RankRun, run_ring_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(
-    ("size", "quantized"), [(2, False), (4, False), (2, True)], ids=["2", "4", "2-quantized"]
-)
-def test_sharded_logits_match_the_whole_model(size: int, quantized: bool, tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "tests.models.tp_worker"]
-    if quantized:
-        command.append("--quantize")
-    env = {"OMP_NUM_THREADS": "1"}
-    runs = run_ring_ranks(command, [env] * size, tmp_path, timeout=120, cwd=REPO)
+def _check(runs: list[RankRun], size: int) -> None:
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
     reports = [json.loads(run.stdout.strip().splitlines()[-1]) for run in runs]
@@ -38,3 +30,43 @@ def test_sharded_logits_match_the_whole_model(size: int, quantized: bool, tmp_pa
         assert report["decode"] <= tolerance, report
         assert report["mtp"] <= tolerance, report
         assert report["drafts"] == 0, report
+
+
+@pytest.mark.parametrize(
+    ("size", "quantized"), [(2, False), (4, False), (2, True)], ids=["2", "4", "2-quantized"]
+)
+def test_sharded_logits_match_the_whole_model(size: int, quantized: bool, tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "tests.models.tp_worker"]
+    if quantized:
+        command.append("--quantize")
+    env = {"OMP_NUM_THREADS": "1"}
+    runs = run_ring_ranks(command, [env] * size, tmp_path, timeout=120, cwd=REPO)
+    _check(runs, size)
+
+
+def test_sharded_load_of_the_demo_checkpoint(tmp_path: Path) -> None:
+    """``sharded_load`` on a real saved checkpoint (the demo's: 4-bit experts, MTP)."""
+    from mlxserve.models.demo.build import build_demo_model
+
+    path = build_demo_model(tmp_path / "demo", progress=False)
+    command = [sys.executable, "-m", "tests.models.tp_worker", "--checkpoint", str(path)]
+    runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=120, cwd=REPO)
+    _check(runs, 2)
+
+
+def test_sharded_load_refuses_sizes_that_do_not_divide(tmp_path: Path) -> None:
+    from mlxserve.errors import UsageError
+    from mlxserve.models import sharded_load
+    from mlxserve.models.demo.build import build_demo_model
+
+    path = build_demo_model(tmp_path / "demo", progress=False)
+
+    class ThreeRanks:
+        def size(self) -> int:
+            return 3
+
+        def rank(self) -> int:
+            return 0
+
+    with pytest.raises(UsageError, match="over 3 ranks"):
+        sharded_load(str(path), ThreeRanks())

@@ -3,7 +3,10 @@
 Every rank builds the same random DeepSeek-V4 (same seed), runs it whole, then shards
 it over the ring group and runs it again: prefill logits, cached decode steps and an
 MTP draft must match the unsharded model. Prints one JSON line of max differences.
-Usage: ``python -m tests.models.tp_worker [--quantize]`` under MLX_RANK/MLX_HOSTFILE.
+With ``--checkpoint DIR`` the two models are instead ``mlxserve.models.load(DIR)`` and
+``mlxserve.models.sharded_load(DIR)``.
+Usage: ``python -m tests.models.tp_worker [--quantize | --checkpoint DIR]`` under
+MLX_RANK/MLX_HOSTFILE.
 """
 
 import json
@@ -92,12 +95,18 @@ def run(model: Model, tokens: mx.array) -> dict[str, np.ndarray]:
 
 def main() -> None:
     group = mx.distributed.init(strict=True, backend="ring")
-    quantized = "--quantize" in sys.argv
     tokens = mx.array([[(7 * i + 3) % CONFIG["vocab_size"] for i in range(40)]])
-    model = build(quantized)
-    whole = run(model, tokens)
-    model.shard(group)
-    sharded = run(model, tokens)
+    if "--checkpoint" in sys.argv:
+        from mlxserve.models import load, sharded_load
+
+        path = sys.argv[sys.argv.index("--checkpoint") + 1]
+        whole = run(load(path)[0], tokens)
+        sharded = run(sharded_load(path, group)[0], tokens)
+    else:
+        model = build("--quantize" in sys.argv)
+        whole = run(model, tokens)
+        model.shard(group)
+        sharded = run(model, tokens)
     diffs = {k: float(np.abs(whole[k] - sharded[k]).max()) for k in whole}
     scale = float(np.abs(whole["prefill"]).max())
     print(json.dumps({"rank": group.rank(), "size": group.size(), "scale": scale, **diffs}))
