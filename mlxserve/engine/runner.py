@@ -2,7 +2,10 @@
 
 Plain decoding is pipelined like `mlx_lm.generate`: the next forward is
 queued (`mx.async_eval`) before the current token is read back, so the host
-and the device overlap. Speculative steps are delegated to the adapter.
+and the device overlap. A decode plan naming several requests runs them as one
+batch when the adapter can (`BatchingAdapter`): continuous batching, since
+requests join and leave the batch between any two steps. Speculative steps are
+delegated to the adapter.
 """
 
 import mlx.core as mx
@@ -22,6 +25,8 @@ class Runner:
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
         emitted: dict[str, list[int]] = {}
+        if plan.kind == "decode" and len(sequences) > 1:
+            return self._decode_many(sequences)
         for sequence in sequences:
             if plan.kind == "prefill":
                 self._prefill(sequence, plan.num_tokens)
@@ -75,6 +80,29 @@ class Runner:
         else:
             sequence.pending = None
         return [token_id(current)]
+
+    def _decode_many(self, sequences: list[Sequence]) -> dict[str, list[int]]:
+        """Batch the sequences in steady decoding; the others take their own step."""
+        steady = [s for s in sequences if s.pending is not None and s.depth == 0 and s.budget > 1]
+        states = [s.state for s in steady]
+        can_batch = getattr(self.adapter, "can_batch", None)
+        if len(steady) < 2 or can_batch is None or not can_batch(states):
+            steady = []
+        emitted = {s.request_id: self._decode(s) for s in sequences if s not in steady}
+        if not steady:
+            return emitted
+        current = [s.pending for s in steady]
+        assert all(token is not None for token in current)
+        tokens = mx.concatenate([token.reshape(1) for token in current if token is not None])
+        logits = self.adapter.step_batch(states, tokens)  # type: ignore[attr-defined]
+        for index, sequence in enumerate(steady):
+            params = sequence.request.sampling
+            sequence.pending = sample(logits[index], params, sequence.keys.next())
+        mx.async_eval([s.pending for s in steady])  # type: ignore[no-untyped-call]
+        for sequence, token in zip(steady, current, strict=True):
+            assert token is not None
+            emitted[sequence.request_id] = [token_id(token)]
+        return emitted
 
     def _speculate(self, sequence: Sequence, depth: int) -> list[int]:
         assert sequence.state is not None and sequence.generated

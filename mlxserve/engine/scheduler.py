@@ -4,6 +4,10 @@ Requests join and leave only between steps. Running requests are capped by
 `max_running`; the rest wait in arrival order. A long prompt is prefilled in
 chunks, and every chunk is followed by a turn for the decoding requests, so
 their streams keep flowing while a new request prefills.
+
+Plain decoding requests (no drafts) share one decode step: continuous batching.
+Speculative requests verify their own drafts, one request per step, in turn with
+that batch.
 """
 
 from collections import deque
@@ -66,12 +70,16 @@ class Scheduler:
                 return self._plan("prefill", (sequence.request_id,), chunk)
             # Only the last prompt token is left: the first decode step produces token 1.
             return self._plan("decode", (sequence.request_id,), 1)
-        self._decodes_since_prefill += 1
-        sequence = decoding[self._decode_turn % len(decoding)]
+        plain = tuple(s.request_id for s in decoding if s.depth == 0)
+        turns: list[tuple[str, ...]] = [plain] if plain else []
+        turns += [(s.request_id,) for s in decoding if s.depth > 0]
+        ids = turns[self._decode_turn % len(turns)]
         self._decode_turn += 1
-        if sequence.depth > 0:
-            return self._plan("speculate", (sequence.request_id,), sequence.depth)
-        return self._plan("decode", (sequence.request_id,), 1)
+        self._decodes_since_prefill += len(ids)
+        if ids is plain:
+            return self._plan("decode", ids, 1)
+        sequence = next(s for s in decoding if s.request_id == ids[0])
+        return self._plan("speculate", ids, sequence.depth)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:

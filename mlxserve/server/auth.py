@@ -3,7 +3,8 @@
 Pure ASGI (not BaseHTTPMiddleware) so streaming responses and contextvars pass
 through untouched. Keys are compared with `hmac.compare_digest` against every
 configured key, so the time taken says nothing about how much of a key matched
-or which key it was. /health, /ready and /metrics stay open for probes.
+or which key it was. /health, /ready and /metrics stay open for probes; /status is
+guarded, as it shows the policy plan.
 """
 
 import hmac
@@ -15,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlxserve.server.errors import Unauthorized, error_response
 
 PROTECTED_PREFIX = "/v1/"
+PROTECTED_PATHS = ("/v1", "/status")
 
 
 class BearerAuth:
@@ -38,7 +40,7 @@ class BearerAuth:
 
     @staticmethod
     def _protected(path: str) -> bool:
-        return path.startswith(PROTECTED_PREFIX) or path == PROTECTED_PREFIX.rstrip("/")
+        return path.startswith(PROTECTED_PREFIX) or path in PROTECTED_PATHS
 
     def _valid(self, token: bytes) -> bool:
         matched = False

@@ -108,3 +108,15 @@ def test_errors(client: openai.OpenAI) -> None:
     assert too_long.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
         chat_text(client, temperature=-1)
+
+
+def test_status_page_reflects_the_real_engine(client: openai.OpenAI, live: LiveServer) -> None:
+    chat_text(client)
+    with live.client() as http:
+        data = http.get("/status", params={"format": "json"}).json()
+        page = http.get("/status").text
+    assert data["ready"] is True and data["active_backend"] == "primary"
+    assert data["traffic"]["completion_tokens"] > 0
+    (rank,) = data["plan"]["ranks"]  # this machine, one rank, as the engine planned it
+    assert rank["decisions"]["nax_moe"]["value"] == "off"
+    assert "nax_moe = <b>off</b>" in page
