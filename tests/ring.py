@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 RankRun = subprocess.CompletedProcess[str]
@@ -29,29 +30,32 @@ def run_ring_ranks(
 ) -> list[RankRun]:
     """Run ``command`` once per rank, each with its extra environment; wait for all.
 
-    Ring collectives have no timeout, so every rank is killed after ``timeout``
-    seconds (``communicate`` raises ``TimeoutExpired``) rather than left to hang.
+    Ring collectives have no timeout, so every rank is killed once ``timeout``
+    seconds have passed in all (``communicate`` raises ``TimeoutExpired``) rather
+    than left to hang.
     """
     hostfile = workdir / "hosts.json"
     ports = free_ports(len(rank_envs))
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
-    procs = []
-    for rank, extra in enumerate(rank_envs):
-        env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), **extra}
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=env,
-                cwd=cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    deadline = time.monotonic() + timeout
+    procs: list[subprocess.Popen[str]] = []
     results = []
     try:
+        for rank, extra in enumerate(rank_envs):
+            env = {**os.environ, "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), **extra}
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env=env,
+                    cwd=cwd,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
+            remaining = max(deadline - time.monotonic(), 0.1)
+            out, err = proc.communicate(timeout=remaining)
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     finally:
         for proc in procs:

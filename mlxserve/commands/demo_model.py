@@ -15,12 +15,15 @@ from mlxserve.errors import UsageError
 def _check_out_dir(out: Path) -> None:
     from mlxserve.models.demo.build import MARKER
 
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
-    if any(out.iterdir()) and not (out / MARKER).is_file():
-        raise UsageError(f"--out {out} is a non-empty directory that is not a demo build")
+    try:
+        if not out.exists():
+            return
+        if not out.is_dir():
+            raise UsageError(f"--out {out} exists and is not a directory")
+        if any(out.iterdir()) and not (out / MARKER).is_file():
+            raise UsageError(f"--out {out} is a non-empty directory that is not a demo build")
+    except OSError as exc:
+        raise UsageError(f"cannot use --out {out}: {exc}") from exc
 
 
 def run_demo_model(out: Path | None, progress: bool) -> int:

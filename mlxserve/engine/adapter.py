@@ -97,8 +97,11 @@ class PlainAdapter:
         the padding masked), the model runs once on [B, 1], and every sequence gets its
         own cache back (``extract``). Sequences keep owning their state between steps,
         so one can join, leave, be cancelled or be stored in the prefix cache at any
-        step; the price is a copy of the caches per step, small next to a forward at
-        the context lengths this serves.
+        step. The price is copying the caches twice per step, on top of the attention
+        reading them once: the runner batches only sequences of similar length
+        (``runner.length_groups``) so padding stays bounded. A batch cache that lives
+        across steps (``extend`` / ``filter``, as mlx-lm's ``BatchGenerator`` keeps)
+        would remove the copies.
         """
         plain = [state for state in states if isinstance(state, PlainState)]
         assert len(plain) == len(states)

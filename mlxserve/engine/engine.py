@@ -3,15 +3,20 @@
 Clients call `submit` and `cancel` from any thread; the loop picks them up at
 step boundaries, asks the scheduler for a step plan, runs it, and delivers
 tokens and finish events to each request's stream. `progress` counts finished
-steps, which is what the watchdog watches.
+steps, which is what the watchdog watches. Under tensor parallelism rank 0's
+engine has a `LockstepLeader` and the other ranks follow it
+(`mlxserve.engine.lockstep`).
 """
 
+import dataclasses
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mlxserve.engine.adapter import ModelAdapter
 from mlxserve.engine.prefix_cache import PrefixCache
@@ -28,6 +33,9 @@ from mlxserve.engine.sampling import KeyStream
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.engine.sequence import Phase, Sequence
 from mlxserve.engine.step_plan import StepPlan
+
+if TYPE_CHECKING:
+    from mlxserve.engine.lockstep import LockstepLeader
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +92,10 @@ class Engine:
         adapter: ModelAdapter,
         config: EngineConfig,
         before_step: StepHook | None = None,
+        lockstep: "LockstepLeader | None" = None,
     ) -> None:
         self.adapter = adapter
+        self.lockstep = lockstep
         self.config = config
         self.depth = min(config.speculative_depth, adapter.max_draft_depth)
         cache = None
@@ -99,6 +109,8 @@ class Engine:
         self.before_step = before_step
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        # Follower ranks: the streams of the requests mirrored from rank 0.
+        self.mirrored: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         # Read by the watchdog from another thread: plain attributes, written only here.
@@ -145,10 +157,26 @@ class Engine:
         """Take in new work and run at most one step; False when there was nothing to run."""
         self._drain_inbox(block=block and self.scheduler.idle)
         plan = self.scheduler.next_step()
+        if self.lockstep is not None:
+            self.lockstep.publish(plan)
         if plan is None:
             return False
         self._run(plan)
         return True
+
+    # -- follower ranks (their own loop: `lockstep.follow`) -------------------
+
+    def admit_mirrored(self, request: GenerationRequest) -> None:
+        """Admit a request rank 0 admitted; its events go to `mirrored[request_id]`."""
+        stream = RequestStream(request.request_id)
+        self.mirrored[request.request_id] = stream
+        self._admit(request, stream)
+
+    def cancel_now(self, request_id: str) -> None:
+        self._handle(_Cancel(request_id))
+
+    def run_plan(self, plan: StepPlan) -> None:
+        self._run(plan)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -164,25 +192,34 @@ class Engine:
 
     def _handle(self, message: _Message) -> None:
         if isinstance(message, _Submit):
-            self._admit(message.request, message.stream)
+            request = message.request
+            if self.lockstep is not None and request.sampling.seed is None:
+                # Every rank must draw the same samples: the seed travels with the request.
+                sampling = dataclasses.replace(request.sampling, seed=secrets.randbits(63))
+                request = dataclasses.replace(request, sampling=sampling)
+            if self._admit(request, message.stream) and self.lockstep is not None:
+                self.lockstep.admitted(request)
         elif isinstance(message, _Cancel):
             sequence = self.scheduler.find(message.request_id)
             if sequence is not None:
                 self._finish(sequence, "cancelled")
                 self.scheduler.remove_finished()
+                if self.lockstep is not None:
+                    self.lockstep.cancelled(message.request_id)
 
-    def _admit(self, request: GenerationRequest, stream: RequestStream) -> None:
+    def _admit(self, request: GenerationRequest, stream: RequestStream) -> bool:
         if request.request_id in self._streams:
             usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=0)
             error = f"request id {request.request_id!r} is already in flight"
             stream.put(FinishEvent(request.request_id, "error", usage, None, error))
-            return
+            return False
         depth = self.depth if request.speculative_depth is None else request.speculative_depth
         depth = max(0, min(depth, self.adapter.max_draft_depth))
         sequence = Sequence(request=request, keys=KeyStream(request.sampling.seed), depth=depth)
         sequence.stats.depth = depth
         self._streams[request.request_id] = stream
         self.scheduler.add(sequence)
+        return True
 
     def _run(self, plan: StepPlan) -> None:
         sequences = [s for rid in plan.request_ids if (s := self.scheduler.find(rid))]

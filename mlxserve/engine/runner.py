@@ -8,6 +8,8 @@ requests join and leave the batch between any two steps. Speculative steps are
 delegated to the adapter.
 """
 
+import logging
+
 import mlx.core as mx
 
 from mlxserve.engine.adapter import ModelAdapter
@@ -15,6 +17,34 @@ from mlxserve.engine.prefix_cache import PrefixCache
 from mlxserve.engine.sampling import sample, token_id
 from mlxserve.engine.sequence import Phase, Sequence
 from mlxserve.engine.step_plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+#: A batch pads every cache to its longest; past this padded/real ratio, split it.
+MAX_PADDING_RATIO = 1.5
+
+
+def length_groups(sequences: list[Sequence]) -> list[list[Sequence]]:
+    """Split into batches of similar context length (neighbours after sorting).
+
+    The batched caches are left-padded to the longest member, so one 30k-token
+    context among short ones would make every row 30k long; a group is closed when
+    adding the next (longer) sequence would push padded/real size past
+    ``MAX_PADDING_RATIO``.
+    """
+    ordered = sorted(sequences, key=lambda s: s.state.offset if s.state else 0)
+    groups: list[list[Sequence]] = []
+    total = 0
+    for sequence in ordered:
+        length = max(sequence.state.offset if sequence.state else 0, 1)
+        group = groups[-1] if groups else None
+        if group is not None and length * (len(group) + 1) <= MAX_PADDING_RATIO * (total + length):
+            group.append(sequence)
+            total += length
+        else:
+            groups.append([sequence])
+            total = length
+    return groups
 
 
 class Runner:
@@ -84,22 +114,35 @@ class Runner:
     def _decode_many(self, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Batch the sequences in steady decoding; the others take their own step."""
         steady = [s for s in sequences if s.pending is not None and s.depth == 0 and s.budget > 1]
-        states = [s.state for s in steady]
         can_batch = getattr(self.adapter, "can_batch", None)
-        if len(steady) < 2 or can_batch is None or not can_batch(states):
+        if can_batch is None or not can_batch([s.state for s in steady]):
             steady = []
-        emitted = {s.request_id: self._decode(s) for s in sequences if s not in steady}
-        if not steady:
-            return emitted
-        current = [s.pending for s in steady]
-        assert all(token is not None for token in current)
+        batched = {id(s) for s in steady}
+        emitted = {s.request_id: self._decode(s) for s in sequences if id(s) not in batched}
+        for group in length_groups(steady):
+            if len(group) == 1:
+                emitted[group[0].request_id] = self._decode(group[0])
+                continue
+            try:
+                emitted.update(self._decode_batch(group))
+            except Exception:
+                # The caches are untouched until the batched forward returns: decoding
+                # one by one confines a failure to the request that causes it.
+                log.exception("batched decode of %d requests failed; one by one", len(group))
+                emitted.update({s.request_id: self._decode(s) for s in group})
+        return emitted
+
+    def _decode_batch(self, group: list[Sequence]) -> dict[str, list[int]]:
+        current = [s.pending for s in group]
         tokens = mx.concatenate([token.reshape(1) for token in current if token is not None])
-        logits = self.adapter.step_batch(states, tokens)  # type: ignore[attr-defined]
-        for index, sequence in enumerate(steady):
+        assert tokens.shape[0] == len(group)
+        logits = self.adapter.step_batch([s.state for s in group], tokens)  # type: ignore[attr-defined]
+        for index, sequence in enumerate(group):
             params = sequence.request.sampling
             sequence.pending = sample(logits[index], params, sequence.keys.next())
-        mx.async_eval([s.pending for s in steady])  # type: ignore[no-untyped-call]
-        for sequence, token in zip(steady, current, strict=True):
+        mx.async_eval([s.pending for s in group])  # type: ignore[no-untyped-call]
+        emitted = {}
+        for sequence, token in zip(group, current, strict=True):
             assert token is not None
             emitted[sequence.request_id] = [token_id(token)]
         return emitted

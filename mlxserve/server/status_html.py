@@ -1,7 +1,8 @@
 """Render a status snapshot as one self-contained HTML page.
 
-No scripts, no external assets: a `meta refresh` reloads it, so it works from any
-browser and behind any proxy. Every value is escaped; reasons appear as tooltips.
+No scripts, no external assets: a `meta refresh` reloads it, so it works behind any
+proxy. With API keys set the page needs the bearer header like `/v1/*` (curl, or a
+browser extension that adds it). Every value is escaped; reasons appear as tooltips.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 def _decisions(decisions: dict[str, Any]) -> str:
     parts = []
     for name, decision in sorted(decisions.items()):
+        if not isinstance(decision, dict):
+            decision = {"value": decision}
         reason = escape(str(decision.get("reason", "")), quote=True)
         value = escape(str(decision.get("value")))
         rule = escape(str(decision.get("rule", "")))

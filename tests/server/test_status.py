@@ -73,11 +73,15 @@ def test_unknown_format_is_a_400(status_client: TestClient) -> None:
 
 
 def test_values_are_escaped(codec: Codec) -> None:
-    plan = {"plan_hash": "x", "ranks": [{"rank": 0, "profile": {"chip": "<script>x</script>"}}]}
+    evil = "<script>x</script>"
+    decision = {"value": evil, "rule": evil, "reason": f'" onmouseover="{evil}'}
+    rank = {"rank": 0, "profile": {"chip": evil}, "decisions": {evil: decision, "odd": 3}}
+    plan = {"plan_hash": "x", "ranks": [rank]}
     runtime = make_runtime(codec, [FakeBackend("primary", plan=plan).up()])
     with TestClient(create_app(runtime)) as client:
         page = client.get("/status").text
     assert "<script>" not in page and "&lt;script&gt;" in page
+    assert '" onmouseover' not in page and "odd = <b>3</b>" in page
 
 
 def test_without_a_plan_the_page_says_so(codec: Codec) -> None:

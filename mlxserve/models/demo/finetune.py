@@ -7,16 +7,21 @@ unsure (top-1 probability 0.1-0.4), and its argmax between near-equal candidates
 the block misses. Both phases train on ``onpolicy.greedy_sequences`` of training-split
 prompts, the kind of text decoding produces.
 
-* Phase 3, ``agree``: main model and MTP block together. The block learns the main
-  model's choice for ``t + 2`` (``distill_loss``); the main model learns, with weight
-  ``--agree-weight``, the block's choice where they differ, which mostly settles
-  near-ties; and it keeps its next-token cross-entropy on corpus windows so its text
-  stays the corpus's. A large weight collapses the main model into loops that are
-  trivially predictable (acceptance 0.99 with "They.  They.  They."), so the report
-  records the main model's losses on both splits next to the acceptance.
+* Phase 3, ``agree``: main model and MTP block together, on the continuation
+  positions of the sequences. The block learns the main model's choice for ``t + 2``
+  (``distill_loss``); that loss also reaches the main model through the streams the
+  block reads, as in DeepSeek's joint MTP training. The main model learns the block's
+  choice, with weight ``--agree-weight``, at every continuation position: where they
+  differ this settles near-ties towards what the block predicts; where they agree it
+  sharpens the main model. It keeps its next-token cross-entropy on corpus windows so
+  its text stays the corpus's. A large weight collapses the main model into loops that
+  are trivially predictable (acceptance 0.99 with "They.  They.  They."); weight 0.1
+  left distinct 4-grams in held-out continuations at 0.88 (0.96 before), and the main
+  model's corpus cross-entropy about where it was (``training.json``).
 * Phase 4, ``distill_onpolicy``: only the MTP block, towards the main model *as
   shipped* (``onpolicy.deployed_main``: float16, 4-bit experts), whose greedy tokens
-  are the ones measured, on sequences decoded again after phase 3.
+  are the ones measured, on sequences decoded again after phase 3, over every
+  position (the prompt positions are training-split corpus text).
 """
 
 from __future__ import annotations

@@ -1,0 +1,139 @@
+"""Keep every rank's engine in step with rank 0's, for tensor parallelism.
+
+Under tensor parallelism every rank runs the same forward on its shard, so every
+rank must run the same steps on the same tokens. Rank 0 alone talks to clients:
+before each step it broadcasts what changed since the last one (requests admitted,
+with a concrete seed so sampling agrees; cancellations) and the step plan it chose.
+The other ranks apply the same changes to their own engine, ask their own scheduler
+for the next plan, and check that it is rank 0's: the scheduler is deterministic,
+so a difference means the ranks diverged, and they stop rather than compute
+garbage. Every rank then runs the step; the sharded model's collectives (all_sum)
+make their logits, and so their tokens, identical.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxserve.cluster.broadcast import broadcast_bytes
+from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.engine.step_plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class Diverged(RuntimeError):
+    """A follower's scheduler chose a different step than rank 0's."""
+
+
+def request_to_dict(request: GenerationRequest) -> dict[str, Any]:
+    sampling = request.sampling
+    return {
+        "request_id": request.request_id,
+        "prompt_ids": list(request.prompt_ids),
+        "max_tokens": request.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": sampling.seed,
+        "stop_token_ids": sorted(request.stop_token_ids),
+        "speculative_depth": request.speculative_depth,
+    }
+
+
+def request_from_dict(data: dict[str, Any]) -> GenerationRequest:
+    return GenerationRequest(
+        request_id=str(data["request_id"]),
+        prompt_ids=tuple(int(t) for t in data["prompt_ids"]),
+        max_tokens=int(data["max_tokens"]),
+        sampling=SamplingParams(float(data["temperature"]), float(data["top_p"]), data["seed"]),
+        stop_token_ids=frozenset(int(t) for t in data["stop_token_ids"]),
+        speculative_depth=data["speculative_depth"],
+    )
+
+
+@dataclass
+class StepMessage:
+    """What rank 0 broadcasts before a step (or to stop the followers)."""
+
+    submitted: list[GenerationRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    plan: StepPlan | None = None
+    stop: bool = False
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "submitted": [request_to_dict(r) for r in self.submitted],
+                "cancelled": self.cancelled,
+                "plan": json.loads(self.plan.to_json()) if self.plan else None,
+                "stop": self.stop,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepMessage:
+        raw = json.loads(data)
+        plan = StepPlan.from_json(json.dumps(raw["plan"]).encode()) if raw["plan"] else None
+        return cls(
+            submitted=[request_from_dict(r) for r in raw["submitted"]],
+            cancelled=[str(c) for c in raw["cancelled"]],
+            plan=plan,
+            stop=bool(raw["stop"]),
+        )
+
+
+class LockstepLeader:
+    """Rank 0's side: collects the changes of a step and broadcasts them with its plan."""
+
+    def __init__(self, group: Any) -> None:
+        if group.rank() != 0:
+            raise ValueError("the lockstep leader runs on rank 0")
+        self.group = group
+        self._message = StepMessage()
+
+    def admitted(self, request: GenerationRequest) -> None:
+        self._message.submitted.append(request)
+
+    def cancelled(self, request_id: str) -> None:
+        self._message.cancelled.append(request_id)
+
+    def publish(self, plan: StepPlan | None) -> None:
+        """Broadcast the changes and ``plan``; nothing is sent when neither exists."""
+        message, self._message = self._message, StepMessage()
+        if plan is None and not message.submitted and not message.cancelled:
+            return
+        message.plan = plan
+        broadcast_bytes(self.group, message.to_bytes())
+
+    def stop(self) -> None:
+        broadcast_bytes(self.group, StepMessage(stop=True).to_bytes())
+
+
+def follow(engine: Any, group: Any, max_messages: int | None = None) -> int:
+    """A follower rank's loop: mirror rank 0's engine until it says stop.
+
+    Returns the number of steps run. Raises ``Diverged`` when this rank's scheduler
+    disagrees with rank 0's plan.
+    """
+    steps = 0
+    received = 0
+    while max_messages is None or received < max_messages:
+        message = StepMessage.from_bytes(broadcast_bytes(group, None))
+        received += 1
+        if message.stop:
+            break
+        for request in message.submitted:
+            engine.admit_mirrored(request)
+        for request_id in message.cancelled:
+            engine.cancel_now(request_id)
+        plan = engine.scheduler.next_step()
+        if plan != message.plan:
+            raise Diverged(f"rank {group.rank()} planned {plan}, rank 0 {message.plan}")
+        if plan is not None:
+            engine.run_plan(plan)
+            steps += 1
+    return steps

@@ -1,0 +1,81 @@
+"""One rank of the lockstep check, run by ``test_lockstep``: the demo model sharded over
+the ring group, rank 0's engine leading, the others following its step plans.
+
+Rank 0 first runs the same requests on the whole (unsharded) model for reference.
+Every rank prints one JSON line: its tokens per request (and rank 0 the reference).
+Usage: ``python -m tests.engine.lockstep_worker CHECKPOINT_DIR`` under MLX_RANK/MLX_HOSTFILE.
+"""
+
+import json
+import sys
+
+import mlx.core as mx
+
+from mlxserve.engine.build import adapter_for
+from mlxserve.engine.engine import Engine, EngineConfig, RequestStream
+from mlxserve.engine.lockstep import LockstepLeader, follow
+from mlxserve.engine.request import GenerationRequest, SamplingParams, TokensEvent
+from mlxserve.models import load, sharded_load
+
+PROMPT = tuple(range(10, 60))
+REQUESTS = [
+    GenerationRequest("greedy-mtp", PROMPT, 24, speculative_depth=3),
+    GenerationRequest("greedy", PROMPT[5:], 24, speculative_depth=0),
+    GenerationRequest("seeded", PROMPT[:30], 24, SamplingParams(0.8, 0.95, 5), speculative_depth=0),
+    GenerationRequest("unseeded", PROMPT[:20], 24, SamplingParams(1.0), speculative_depth=2),
+    GenerationRequest("cancelled", PROMPT, 200, speculative_depth=0),
+]
+CONFIG = EngineConfig(max_running=8, prefill_step=16, speculative_depth=3)
+MAX_STEPS = 2000
+
+
+def drain(stream: RequestStream) -> dict[str, object]:
+    tokens: list[int] = []
+    while True:
+        event = stream.get(timeout=5)
+        if isinstance(event, TokensEvent):
+            tokens.extend(event.token_ids)
+        else:
+            return {"tokens": tokens, "finish": event.finish_reason}
+
+
+def lead(engine: Engine, leader: LockstepLeader) -> dict[str, RequestStream]:
+    streams = {r.request_id: engine.submit(r) for r in REQUESTS}
+    cancelled = False
+    for _ in range(MAX_STEPS):
+        victim = engine.scheduler.find("cancelled")
+        if not cancelled and victim is not None and len(victim.generated) >= 5:
+            engine.cancel("cancelled")
+            cancelled = True
+        if not engine.run_once() and engine.scheduler.idle:
+            break
+    leader.stop()
+    return streams
+
+
+def main() -> None:
+    group = mx.distributed.init(strict=True, backend="ring")
+    path = sys.argv[1]
+    report: dict[str, object] = {"rank": group.rank(), "size": group.size()}
+    if group.rank() == 0:
+        whole = load(path)[0]
+        reference = Engine(adapter_for(whole, 3), CONFIG)
+        streams = {r.request_id: reference.submit(r) for r in REQUESTS[:3]}
+        for _ in range(MAX_STEPS):
+            if not reference.run_once():
+                break
+        report["reference"] = {rid: drain(s) for rid, s in streams.items()}
+    model = sharded_load(path, group)[0]
+    if group.rank() == 0:
+        leader = LockstepLeader(group)
+        streams = lead(Engine(adapter_for(model, 3), CONFIG, lockstep=leader), leader)
+    else:
+        engine = Engine(adapter_for(model, 3), CONFIG)
+        report["steps"] = follow(engine, group, max_messages=MAX_STEPS)
+        streams = engine.mirrored
+    report["results"] = {rid: drain(s) for rid, s in streams.items()}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
