@@ -76,18 +76,20 @@ def build(quantized: bool) -> Model:
 
 
 def run(model: Model, tokens: mx.array) -> dict[str, np.ndarray]:
-    """Prefill, three cached decode steps, and a depth-2 MTP draft's logits path."""
+    """Prefill, three cached decode steps, the MTP block over the whole prefill (every
+    position but the first reads a real embedding), and chained depth-2 drafts."""
     cache = model.make_cache()
-    streams = model.forward_hidden(tokens[:, :-3], cache)
+    prefix = tokens[:, :-3]
+    streams = model.forward_hidden(prefix, cache)
     out = {"prefill": model.head_from_streams(streams)}
+    mtp_logits, _ = model.mtp_forward(streams[:, :-1], prefix[:, 1:], model.make_mtp_cache()[0])
+    out["mtp"] = mtp_logits
     steps = []
     for i in range(3, 0, -1):
         streams = model.forward_hidden(tokens[:, -i:][:, :1], cache)
         steps.append(model.head_from_streams(streams))
     out["decode"] = mx.concatenate(steps, axis=1)
     mtp_cache = model.make_mtp_cache(max_rollback=2)
-    logits, _ = model.mtp_forward(streams, tokens[:, -1:], mtp_cache[0])
-    out["mtp"] = logits
     out["drafts"] = mx.stack(greedy_draft(model, streams, tokens[:, -1:], mtp_cache, 2))
     mx.eval(out)
     return {k: np.asarray(v.astype(mx.float32)) for k, v in out.items()}
