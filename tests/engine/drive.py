@@ -1,7 +1,19 @@
 """Drive an engine from a test: submit, step it to completion, collect the events."""
 
-from mlxserve.engine.engine import Engine
+from mlxserve.engine.engine import Engine, RequestStream
 from mlxserve.engine.request import FinishEvent, GenerationRequest, TokensEvent
+
+
+def collect(stream: RequestStream, timeout: float = 1) -> tuple[list[int], FinishEvent]:
+    """A finished request's tokens and finish event (each event within ``timeout``)."""
+    tokens: list[int] = []
+    while True:
+        event = stream.get(timeout=timeout)
+        if isinstance(event, TokensEvent):
+            tokens.extend(event.token_ids)
+        else:
+            assert isinstance(event, FinishEvent)
+            return tokens, event
 
 
 def run(engine: Engine, *requests: GenerationRequest) -> dict[str, tuple[list[int], FinishEvent]]:
@@ -9,16 +21,4 @@ def run(engine: Engine, *requests: GenerationRequest) -> dict[str, tuple[list[in
     for _ in range(10_000):
         if not engine.run_once():
             break
-    results = {}
-    for stream in streams:
-        tokens: list[int] = []
-        finish = None
-        while finish is None:
-            event = stream.get(timeout=1)
-            if isinstance(event, TokensEvent):
-                tokens.extend(event.token_ids)
-            else:
-                assert isinstance(event, FinishEvent)
-                finish = event
-        results[stream.request_id] = (tokens, finish)
-    return results
+    return {stream.request_id: collect(stream) for stream in streams}

@@ -14,8 +14,9 @@ import mlx.core as mx
 from mlxserve.engine.build import adapter_for
 from mlxserve.engine.engine import Engine, EngineConfig, RequestStream
 from mlxserve.engine.lockstep import LockstepLeader, follow
-from mlxserve.engine.request import GenerationRequest, SamplingParams, TokensEvent
+from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.models import load, sharded_load
+from tests.engine.drive import collect
 
 PROMPT = tuple(range(10, 60))
 REQUESTS = [
@@ -30,13 +31,8 @@ MAX_STEPS = 2000
 
 
 def drain(stream: RequestStream) -> dict[str, object]:
-    tokens: list[int] = []
-    while True:
-        event = stream.get(timeout=5)
-        if isinstance(event, TokensEvent):
-            tokens.extend(event.token_ids)
-        else:
-            return {"tokens": tokens, "finish": event.finish_reason}
+    tokens, finish = collect(stream, timeout=5)
+    return {"tokens": tokens, "finish": finish.finish_reason}
 
 
 def lead(engine: Engine, leader: LockstepLeader) -> dict[str, RequestStream]:

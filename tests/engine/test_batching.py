@@ -16,7 +16,7 @@ from mlxserve.engine.runner import length_groups
 from mlxserve.engine.sampling import KeyStream
 from mlxserve.engine.sequence import Sequence
 from mlxserve.engine.step_plan import StepPlan
-from tests.engine.drive import run
+from tests.engine.drive import collect, run
 from tests.engine.test_engine_plain import reference_greedy
 
 
@@ -97,16 +97,7 @@ def test_requests_join_and_leave_the_batch(llama_model: Module) -> None:
     for _ in range(500):
         if not engine.run_once():
             break
-    collected = {}
-    for stream in (short, long, late_stream, gone_stream):
-        tokens: list[int] = []
-        while True:
-            event = stream.get(timeout=1)
-            if hasattr(event, "token_ids"):
-                tokens.extend(event.token_ids)
-            else:
-                collected[stream.request_id] = (tokens, event)
-                break
+    collected = {s.request_id: collect(s) for s in (short, long, late_stream, gone_stream)}
     assert collected["short"][0] == reference_greedy(llama_model, PROMPTS["c"], 12)
     assert collected["long"][0] == reference_greedy(llama_model, PROMPTS["a"], 40)
     assert collected["late"][0] == reference_greedy(llama_model, late.prompt_ids, 10)

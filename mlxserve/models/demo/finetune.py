@@ -61,7 +61,10 @@ def distill_loss(draft_logits: mx.array, target_logits: mx.array, soft: float) -
     return (1 - soft) * hard + soft * dense
 
 
-def _sequences(model: Model, tokenizer: Any, train: list[Sample], opts: argparse.Namespace) -> Any:
+def _sequences(
+    model: Model, tokenizer: Any, train: list[Sample], opts: argparse.Namespace
+) -> tuple[Model, onpolicy.Sequences, list[int], float]:
+    """The shipped main model's greedy continuations of training prompts (and the time)."""
     started = time.time()
     chars = [int(c) for c in opts.onpolicy_chars.split(",")]
     teacher = onpolicy.deployed_main(model)
