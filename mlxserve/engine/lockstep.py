@@ -14,15 +14,12 @@ make their logits, and so their tokens, identical.
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from mlxserve.cluster.broadcast import broadcast_bytes
 from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.engine.step_plan import StepPlan
-
-log = logging.getLogger(__name__)
 
 
 class Diverged(RuntimeError):

@@ -126,8 +126,9 @@ class Runner:
             try:
                 emitted.update(self._decode_batch(group))
             except Exception:
-                # The caches are untouched until the batched forward returns: decoding
-                # one by one confines a failure to the request that causes it.
+                # An error while building the batched step (the caches are replaced
+                # only once the forward is built): one by one, a failure stays with
+                # the request that causes it. A later, lazy failure fails the plan.
                 log.exception("batched decode of %d requests failed; one by one", len(group))
                 emitted.update({s.request_id: self._decode(s) for s in group})
         return emitted
