@@ -32,7 +32,7 @@ class Membership:
 
 def discover(settings: ClusterSettings) -> Membership:
     if settings.simulate:
-        return Membership(simulated_cluster(settings), rank=_env_rank() or 0)
+        return Membership(simulated_cluster(settings), rank=launched_rank() or 0)
     if "MLX_RANK" in os.environ:
         return _distributed(settings)
     local = _self_profile(settings, rank=0)
@@ -89,7 +89,8 @@ def _local_versions() -> tuple[str, str]:
     return package_version("mlx"), package_version("mlx-lm")
 
 
-def _env_rank() -> int | None:
+def launched_rank() -> int | None:
+    """This process's rank when a launcher (`mlx.launch`, or MLX_RANK by hand) set one."""
     text = os.environ.get("MLX_RANK")
     return int(text) if text and text.isdigit() else None
 

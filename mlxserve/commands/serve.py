@@ -1,5 +1,8 @@
 """`mlxserve serve` (also `mlxserve --config F`): the HTTP front and its engines.
 
+Under `mlx.launch` only rank 0 serves HTTP; every other rank runs a follower that
+executes rank 0's steps on its shard of the model (`mlxserve.engine.follower`).
+
 Startup prints what it does (tokenizer, engines, the policy plan, the URL once
 a backend really generates). SIGTERM or Ctrl-C drains: new requests get 503
 with Retry-After, in-flight ones may finish within `server.drain_timeout_s`
@@ -34,9 +37,17 @@ HTTP_GRACE_S = 5
 
 
 def run_serve(settings: Settings) -> int:
+    from mlxserve.cluster.discover import launched_rank
     from mlxserve.server.codec import Codec, model_directory
     from mlxserve.server.progress import Console
     from mlxserve.server.runtime import Runtime, build_backends
+
+    rank = launched_rank()
+    if rank is not None and rank > 0 and not settings.cluster.simulate:
+        # Tensor parallelism: rank 0 serves the clients, this rank runs its shard.
+        from mlxserve.engine.follower import run_follower
+
+        return run_follower(settings)
 
     configure_logging()
     console = Console()

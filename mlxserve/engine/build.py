@@ -55,11 +55,15 @@ def materialize(model: Any) -> None:
     mx.eval(arrays)
 
 
-def load_for_serving(settings: Settings, plan: Plan, rank: int) -> LoadedModel:
+def load_for_serving(settings: Settings, plan: Plan, rank: int, group: Any = None) -> LoadedModel:
+    """The model as this rank serves it: whole, or its shard when ``group`` has ranks."""
     from mlxserve.kernels.apply import apply_moe_policy
-    from mlxserve.models import load
+    from mlxserve.models import load, sharded_load
 
-    model, tokenizer = load(settings.model)
+    if group is not None and group.size() > 1:
+        model, tokenizer = sharded_load(settings.model, group)
+    else:
+        model, tokenizer = load(settings.model)
     apply_moe_policy(model, plan, rank)  # logs what it did
     depth = speculative_depth(settings, model)
     materialize(model)
@@ -79,6 +83,14 @@ def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> Engine
     )
 
 
-def build_engine(settings: Settings, plan: Plan, rank: int = 0) -> tuple[Engine, LoadedModel]:
-    loaded = load_for_serving(settings, plan, rank)
-    return Engine(loaded.adapter, engine_config(settings, plan, loaded)), loaded
+def build_engine(
+    settings: Settings, plan: Plan, rank: int = 0, group: Any = None
+) -> tuple[Engine, LoadedModel]:
+    """The engine of one rank. With a tensor-parallel ``group`` rank 0's leads the
+    others in lockstep (``mlxserve.engine.lockstep``); followers run ``follow``."""
+    from mlxserve.engine.lockstep import LockstepLeader
+
+    loaded = load_for_serving(settings, plan, rank, group)
+    leader = LockstepLeader(group) if group is not None and group.size() > 1 and rank == 0 else None
+    engine = Engine(loaded.adapter, engine_config(settings, plan, loaded), lockstep=leader)
+    return engine, loaded

@@ -134,10 +134,10 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         raise UsageError(str(exc)) from None
     plan, membership = build_plan(settings)
     plan.ensure_startable()
-    if membership.group is not None:
+    if membership.rank != 0:
         raise UsageError(
-            "this engine process serves a single rank; distributed engine groups are not "
-            "supported by it yet"
+            f"rank {membership.rank} follows rank 0 and serves no clients: start it with "
+            "`mlxserve serve`, which runs the follower"
         )
     socket_path = prepare_socket_path(args.socket)
     configure_logging()
@@ -150,7 +150,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     from mlxserve.reliability.orphan import watch_parent
     from mlxserve.reliability.watchdog import Watchdog
 
-    engine, loaded = build_engine(settings, plan, membership.rank)
+    engine, loaded = build_engine(settings, plan, membership.rank, membership.group)
     if faults.armed:
         log.warning("FAULT INJECTION ARMED (tests only): %s", faults.describe())
         engine.before_step = FaultInjector(faults)
@@ -256,6 +256,8 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self.engine.run_once(block=True)
+            if self.engine.lockstep is not None:
+                self.engine.lockstep.stop()  # the follower ranks exit too
             # Decode steps leave the next token computing (async_eval); MLX aborts the
             # process (std::terminate) if it is still in flight when the interpreter exits.
             mx.synchronize()

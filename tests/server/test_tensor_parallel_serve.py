@@ -1,0 +1,72 @@
+"""`mlxserve serve` on two real ring ranks: rank 0 serves HTTP, rank 1 follows.
+
+Started the way `mlx.launch` starts them (the same command and config per rank,
+MLX_RANK and MLX_HOSTFILE set), on loopback. The demo model is sharded over both
+ranks; a greedy chat completion equals `mlxserve generate` on one process, and a
+SIGTERM to rank 0 drains it and stops rank 1 cleanly.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.ring import free_ports
+from tests.server.live import REPO, LiveServer
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Python reference: assert"
+CONFIG = """
+model = "demo"
+[server]
+port = 0
+ready_interval_s = 2.0
+"""
+
+
+def test_two_ranks_serve_one_model(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
+    cluster = {"MLX_HOSTFILE": str(hostfile), "OMP_NUM_THREADS": "1"}
+    front = LiveServer(tmp_path, CONFIG, env={**cluster, "MLX_RANK": "0"})
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "mlxserve", "--config", str(front.config)],
+        cwd=REPO,
+        env={**front.env, **cluster, "MLX_RANK": "1"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        front.start(timeout=180)
+        body = {
+            "model": "demo",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 24,
+            "temperature": 0,
+        }
+        with front.client() as http:
+            reply = http.post("/v1/chat/completions", json=body).json()
+            status = http.get("/status", params={"format": "json"}).json()
+        assert status["plan"]["world_size"] == 2
+        single = subprocess.run(
+            [sys.executable, "-m", "mlxserve", "generate", "--model", "demo", "--prompt", PROMPT,
+             "--max-tokens", "24", "--json"],
+            cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+        )  # fmt: skip
+        assert reply["choices"][0]["message"]["content"] == json.loads(single.stdout)["text"]
+        assert front.stop() == 0, front.tail()
+        _, err = follower.communicate(timeout=60)
+        assert follower.returncode == 0, err[-2000:]
+        assert "rank 0 stopped after" in err
+    finally:
+        front.stop()
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
+        elif follower.stderr is not None and not follower.stderr.closed:
+            follower.stderr.close()
