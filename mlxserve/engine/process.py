@@ -134,7 +134,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         raise UsageError(str(exc)) from None
     plan, membership = build_plan(settings)
     plan.ensure_startable()
-    if membership.rank != 0:
+    if membership.group is not None and membership.rank != 0:
         raise UsageError(
             f"rank {membership.rank} follows rank 0 and serves no clients: start it with "
             "`mlxserve serve`, which runs the follower"
