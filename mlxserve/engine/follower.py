@@ -7,11 +7,33 @@ and runs the steps rank 0 broadcasts (`lockstep.follow`) until rank 0 stops.
 """
 
 import logging
+import os
+import signal
+from types import FrameType
 
 from mlxserve.config import Settings
 from mlxserve.errors import UsageError
 
 log = logging.getLogger(__name__)
+
+
+class _FirstSignalWaits:
+    """`mlx.launch` forwards Ctrl-C to every rank: rank 0 then drains and broadcasts
+    stop, so the first signal here only waits for that; a second one exits at once
+    (a rank 0 that is gone can send nothing)."""
+
+    def __init__(self) -> None:
+        self.received = 0
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received += 1
+        if self.received > 1:
+            os._exit(128 + signum)
+        log.info("signal %d: waiting for rank 0 to stop (again to exit now)", signum)
 
 
 def run_follower(settings: Settings) -> int:
@@ -21,6 +43,7 @@ def run_follower(settings: Settings) -> int:
     from mlxserve.policy.build import build_plan
 
     configure_logging()
+    _FirstSignalWaits().install()
     plan, membership = build_plan(settings)
     plan.ensure_startable()
     group = membership.group
