@@ -157,8 +157,6 @@ class Engine:
         """Take in new work and run at most one step; False when there was nothing to run."""
         self._drain_inbox(block=block and self.scheduler.idle)
         plan = self.scheduler.next_step()
-        if self.lockstep is not None:
-            self.lockstep.publish(plan)
         if plan is None:
             return False
         self._run(plan)
@@ -226,6 +224,10 @@ class Engine:
         self.current_step = plan
         self.step_started_at = time.monotonic()
         try:
+            if self.lockstep is not None:
+                # Inside the step, so a follower that never answers is a stalled step
+                # for the watchdog, like a forward whose all_sum never completes.
+                self.lockstep.publish(plan)
             if self.before_step is not None:
                 self.before_step(plan)
             emitted = self.runner.run(plan, sequences)

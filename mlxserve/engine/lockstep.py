@@ -98,11 +98,14 @@ class LockstepLeader:
     def cancelled(self, request_id: str) -> None:
         self._message.cancelled.append(request_id)
 
-    def publish(self, plan: StepPlan | None) -> None:
-        """Broadcast the changes and ``plan``; nothing is sent when neither exists."""
+    def publish(self, plan: StepPlan) -> None:
+        """Broadcast the changes since the last step, and ``plan``.
+
+        Changes with no step after them (a cancellation that leaves nothing to run)
+        wait for the next step: the scheduler chose nothing in between, so the
+        followers reach the same state by applying them just before it.
+        """
         message, self._message = self._message, StepMessage()
-        if plan is None and not message.submitted and not message.cancelled:
-            return
         message.plan = plan
         broadcast_bytes(self.group, message.to_bytes())
 

@@ -10,10 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from mlx.nn.layers.base import Module
 
+from mlxserve.engine.adapter import PlainAdapter
+from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.lockstep import StepMessage
 from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.engine.step_plan import StepPlan
+from tests.engine.drive import run as run_engine
 from tests.ring import run_ring_ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,6 +30,25 @@ def test_step_message_round_trip() -> None:
     message = StepMessage([request], ["gone"], StepPlan(4, "decode", ("r", "s"), 1))
     assert StepMessage.from_bytes(message.to_bytes()) == message
     assert StepMessage.from_bytes(StepMessage(stop=True).to_bytes()).stop
+
+
+def test_rank_0_publishes_inside_the_watched_step(llama_model: Module) -> None:
+    """A follower that never answers must look like a stalled step to the watchdog."""
+    seen: list[bool] = []
+
+    class Recorder:
+        def admitted(self, request: GenerationRequest) -> None:
+            assert request.sampling.seed is not None  # the seed travels with the request
+
+        def cancelled(self, request_id: str) -> None:
+            pass
+
+        def publish(self, plan: StepPlan) -> None:
+            seen.append(engine.current_step == plan)
+
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(), lockstep=Recorder())  # type: ignore[arg-type]
+    run_engine(engine, GenerationRequest("a", (1, 2, 3), 4, SamplingParams(1.0)))
+    assert seen and all(seen)
 
 
 @pytest.mark.slow
