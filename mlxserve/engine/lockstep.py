@@ -17,8 +17,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlxserve.channel.messages import Generate
 from mlxserve.cluster.broadcast import broadcast_bytes
-from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.engine.process_front import to_request
+from mlxserve.engine.request import GenerationRequest
 from mlxserve.engine.step_plan import StepPlan
 
 
@@ -26,28 +28,18 @@ class Diverged(RuntimeError):
     """A follower's scheduler chose a different step than rank 0's."""
 
 
-def request_to_dict(request: GenerationRequest) -> dict[str, Any]:
+def as_generate(request: GenerationRequest) -> Generate:
+    """A request in the engine channel's wire form, which ``to_request`` reads back."""
     sampling = request.sampling
-    return {
-        "request_id": request.request_id,
-        "prompt_ids": list(request.prompt_ids),
-        "max_tokens": request.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "seed": sampling.seed,
-        "stop_token_ids": sorted(request.stop_token_ids),
-        "speculative_depth": request.speculative_depth,
-    }
-
-
-def request_from_dict(data: dict[str, Any]) -> GenerationRequest:
-    return GenerationRequest(
-        request_id=str(data["request_id"]),
-        prompt_ids=tuple(int(t) for t in data["prompt_ids"]),
-        max_tokens=int(data["max_tokens"]),
-        sampling=SamplingParams(float(data["temperature"]), float(data["top_p"]), data["seed"]),
-        stop_token_ids=frozenset(int(t) for t in data["stop_token_ids"]),
-        speculative_depth=data["speculative_depth"],
+    return Generate(
+        id=request.request_id,
+        prompt_ids=list(request.prompt_ids),
+        max_tokens=request.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        stop_token_ids=sorted(request.stop_token_ids),
+        speculative_depth=request.speculative_depth,
     )
 
 
@@ -63,7 +55,7 @@ class StepMessage:
     def to_bytes(self) -> bytes:
         return json.dumps(
             {
-                "submitted": [request_to_dict(r) for r in self.submitted],
+                "submitted": [as_generate(r).model_dump() for r in self.submitted],
                 "cancelled": self.cancelled,
                 "plan": json.loads(self.plan.to_json()) if self.plan else None,
                 "stop": self.stop,
@@ -76,7 +68,7 @@ class StepMessage:
         raw = json.loads(data)
         plan = StepPlan.from_json(json.dumps(raw["plan"]).encode()) if raw["plan"] else None
         return cls(
-            submitted=[request_from_dict(r) for r in raw["submitted"]],
+            submitted=[to_request(Generate.model_validate(r), None) for r in raw["submitted"]],
             cancelled=[str(c) for c in raw["cancelled"]],
             plan=plan,
             stop=bool(raw["stop"]),
