@@ -52,6 +52,20 @@ def flat_parameters(model: Any) -> list[tuple[str, Any]]:
     return sorted(pairs, key=lambda item: str(item[0]))
 
 
+def shipped_weights(model: Any) -> dict[str, Any]:
+    """``model``'s parameters as ``weights/`` ships them: float16, except the few
+    tensors the reference keeps in float32 (``cast_predicate``) and integer tables."""
+    import mlx.core as mx
+
+    keep = model.cast_predicate
+    out: dict[str, Any] = {}
+    for key, value in flat_parameters(model):
+        if mx.issubdtype(value.dtype, mx.floating) and keep(key):
+            value = value.astype(mx.float16)
+        out[key] = value
+    return out
+
+
 def _is_complete(path: Path, digest: str) -> bool:
     marker = path / MARKER
     return marker.is_file() and marker.read_text().strip() == digest

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..deepseek_v4 import Model
-from .build import flat_parameters, quantize_experts
+from .build import quantize_experts, shipped_weights
 from .corpus import Sample
 from .evaluate import encode, prompt_text
 
@@ -31,17 +31,14 @@ from .evaluate import encode, prompt_text
 def deployed_main(model: Model) -> Model:
     """A frozen copy of ``model``'s main model as the build ships it (no MTP blocks).
 
-    Same numbers as ``build``: the float16 cast ``train.save_weights`` applies, back to
-    float32, then the routed experts quantised to 4 bits.
+    Same numbers as ``build``: the float16 weights ``train.save_weights`` writes, back
+    in float32, then the routed experts quantised to 4 bits.
     """
-    keep = model.cast_predicate
-    weights: list[tuple[str, mx.array]] = []
-    for key, value in flat_parameters(model):
-        if key.startswith("mtp."):
-            continue
-        if mx.issubdtype(value.dtype, mx.floating) and keep(key):
-            value = value.astype(mx.float16).astype(mx.float32)
-        weights.append((key, value))
+    weights = [
+        (key, value.astype(mx.float32) if value.dtype == mx.float16 else value)
+        for key, value in sorted(shipped_weights(model).items())
+        if not key.startswith("mtp.")
+    ]
     teacher = Model(model.args)
     teacher.load_weights(weights, strict=True)
     quantize_experts(teacher)

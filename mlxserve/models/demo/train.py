@@ -58,7 +58,7 @@ from mlx.utils import tree_unflatten
 from ..deepseek_v4 import Model, ModelArgs
 from ..deepseek_v4.model import MTPBlock
 from . import corpus, finetune
-from .build import flat_parameters
+from .build import flat_parameters, shipped_weights
 from .schedule import freeze_non_trainable, lr_at, scalar, train_all, train_only_mtp
 from .spec import MODEL_CONFIG
 
@@ -108,13 +108,7 @@ def token_stream(tokenizer: Any, samples: list[corpus.Sample]) -> np.ndarray:
 
 def save_weights(model: Model, path: Path) -> None:
     """float16 weights, except the few tensors the reference keeps in float32 / int."""
-    keep = model.cast_predicate
-    out: dict[str, mx.array] = {}
-    for key, value in flat_parameters(model):
-        if mx.issubdtype(value.dtype, mx.floating) and keep(key):
-            value = value.astype(mx.float16)
-        out[key] = value
-    mx.save_safetensors(str(path), out, metadata={"format": "mlx"})
+    mx.save_safetensors(str(path), shipped_weights(model), metadata={"format": "mlx"})
 
 
 def _copy_init(source: Path, out: Path) -> dict[str, Any] | None:
