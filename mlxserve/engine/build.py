@@ -56,11 +56,11 @@ def materialize(model: Any) -> None:
 
 
 def load_for_serving(settings: Settings, plan: Plan, rank: int, group: Any = None) -> LoadedModel:
-    """The model as this rank serves it: whole, or its shard when ``group`` has ranks."""
+    """The model as this rank serves it: whole, or its shard of a tensor-parallel ``group``."""
     from mlxserve.kernels.apply import apply_moe_policy
     from mlxserve.models import load, sharded_load
 
-    if group is not None and group.size() > 1:
+    if group is not None:
         model, tokenizer = sharded_load(settings.model, group)
     else:
         model, tokenizer = load(settings.model)
@@ -90,7 +90,9 @@ def build_engine(
     others in lockstep (``mlxserve.engine.lockstep``); followers run ``follow``."""
     from mlxserve.engine.lockstep import LockstepLeader
 
+    if group is not None and group.size() == 1:
+        group = None  # a group of one is no tensor parallelism
     loaded = load_for_serving(settings, plan, rank, group)
-    leader = LockstepLeader(group) if group is not None and group.size() > 1 and rank == 0 else None
+    leader = LockstepLeader(group) if group is not None and rank == 0 else None
     engine = Engine(loaded.adapter, engine_config(settings, plan, loaded), lockstep=leader)
     return engine, loaded

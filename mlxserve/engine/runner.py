@@ -32,11 +32,11 @@ def length_groups(sequences: list[Sequence]) -> list[list[Sequence]]:
     adding the next (longer) sequence would push padded/real size past
     ``MAX_PADDING_RATIO``.
     """
-    ordered = sorted(sequences, key=lambda s: s.state.offset if s.state else 0)
+    lengths = {id(s): max(s.state.offset if s.state else 0, 1) for s in sequences}
     groups: list[list[Sequence]] = []
     total = 0
-    for sequence in ordered:
-        length = max(sequence.state.offset if sequence.state else 0, 1)
+    for sequence in sorted(sequences, key=lambda s: lengths[id(s)]):
+        length = lengths[id(sequence)]
         group = groups[-1] if groups else None
         if group is not None and length * (len(group) + 1) <= MAX_PADDING_RATIO * (total + length):
             group.append(sequence)
