@@ -16,59 +16,29 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx.nn.layers.quantized import quantize
-from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from mlxserve.models.deepseek_v4 import Model, ModelArgs
-from mlxserve.models.deepseek_v4.model import MTPBlock
+from mlxserve.models.deepseek_v4 import Model
 from mlxserve.models.deepseek_v4.mtp import greedy_draft
+from tests.engine.v4_models import tiny_v4
 
-CONFIG: dict[str, Any] = {
+#: Sizes every rank count (2 and 4) divides; 4 ranks x 32 expert rows is one
+#: quantization group each.
+TP_SIZES: dict[str, Any] = {
     "vocab_size": 96,
     "hidden_size": 64,
-    "moe_intermediate_size": 128,  # 4 ranks x 32: one quantization group each
-    "num_hidden_layers": 3,
+    "moe_intermediate_size": 128,
     "num_attention_heads": 8,
-    "head_dim": 16,
     "q_lora_rank": 32,
-    "num_experts_per_tok": 2,
-    "n_routed_experts": 4,
     "n_shared_experts": 1,
-    "layer_types": [
-        "sliding_attention",
-        "compressed_sparse_attention",
-        "heavily_compressed_attention",
-    ],
-    "mlp_layer_types": ["hash_moe", "moe", "moe"],
-    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-    "sliding_window": 8,
     "o_groups": 4,
     "o_lora_rank": 16,
     "index_n_heads": 4,
-    "index_head_dim": 8,
-    "index_topk": 4,
-    "hc_mult": 2,
-    "partial_rotary_factor": 0.25,
-    "num_nextn_predict_layers": 1,
-    "mtp_layer_types": ["sliding_attention"],
 }
 
 
 def build(quantized: bool) -> Model:
-    args = ModelArgs.from_dict(CONFIG)
-    model = Model(args)
-    model.mtp = [MTPBlock(args, t) for t in args.mtp_layer_types or []]
-    mx.random.seed(0)
-    rng = np.random.default_rng(0)
-    weights = []
-    for key, value in tree_flatten(model.parameters()):
-        if key.endswith("tid2eid"):
-            rows = [rng.permutation(args.n_routed_experts)[: args.num_experts_per_tok]]
-            value = mx.array(np.stack(rows * args.vocab_size).astype(np.int32))
-        elif value.dtype == mx.float32:
-            value = mx.random.normal(value.shape) * 0.1
-        weights.append((key, value))
-    model.load_weights(weights)
+    model = tiny_v4(seed=0, **TP_SIZES)
     if quantized:
         quantize(model, 32, 4, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
     mx.eval(model.parameters())
@@ -97,7 +67,7 @@ def run(model: Model, tokens: mx.array) -> dict[str, np.ndarray]:
 
 def main() -> None:
     group = mx.distributed.init(strict=True, backend="ring")
-    tokens = mx.array([[(7 * i + 3) % CONFIG["vocab_size"] for i in range(40)]])
+    tokens = mx.array([[(7 * i + 3) % TP_SIZES["vocab_size"] for i in range(40)]])
     if "--checkpoint" in sys.argv:
         from mlxserve.models import load, sharded_load
 
