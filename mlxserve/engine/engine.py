@@ -270,6 +270,7 @@ class Engine:
             return
         sequence.phase = Phase.FINISHED
         sequence.finish_reason = reason
+        self.runner.release(sequence)
         sequence.pending = None
         sequence.state = None
         usage = Usage(

@@ -77,13 +77,21 @@ class Runner:
     def settle(self) -> None:
         """Take finished (or cancelled) requests out of their batches, between steps.
 
-        A request that finished normally leaves its final state to the prefix cache:
-        a follow-up prompt that extends this conversation starts from it.
+        A request that finished normally leaves its final state to the prefix cache
+        (the prompt and every token it generated): the next turn of a conversation,
+        whose prompt extends this one's with the answer, starts from it.
         """
         for batch in list(self.batches):
             gone = [i for i, s in enumerate(batch.rows) if s.phase is Phase.FINISHED]
             if gone:
                 self._remove(batch, gone, finished=True)
+
+    def release(self, sequence: Sequence) -> None:
+        """A request outside any batch finished: keep its final state for reuse."""
+        if sequence.request_id in self._batch_of or sequence.state is None:
+            return  # batched rows leave in ``settle``
+        if self.prefix_cache is not None and sequence.finish_reason in _REUSABLE:
+            self._keep_final(sequence, sequence.state)
 
     # -- prefill -------------------------------------------------------------
 
