@@ -1,12 +1,13 @@
 """Streaming latency and throughput of `mlxserve` against `mlx_lm.server`, as JSON.
 
-    python benchmarks/serve.py [--clients 1,2,4,8] [--requests 3] [--max-tokens 128]
+    python benchmarks/serve.py [--clients 1,2,4,8,16] [--requests 3] [--max-tokens 128]
                                [--out results.json] [--skip-demo]
 
-For 1, 2, 4 and 8 concurrent streaming clients (each sending `--requests`
+For 1, 2, 4, 8 and 16 concurrent streaming clients (each sending `--requests`
 requests one after the other), it measures aggregate tokens/s, time to first
 token (TTFT) p50/p95 and inter-token latency (ITL, the gap between streamed
-chunks) p50/p95:
+chunks) p50/p95, and for mlxserve the engine's MLX memory (peak since start,
+the weights, one request's caches: `memory` in each level):
 
 - `comparison`: mlxserve and mlx_lm.server serving the same model in the same
   run, and their ratios (mlxserve / mlx_lm). mlx_lm.server cannot load the
@@ -15,6 +16,12 @@ chunks) p50/p95:
   demo's tokenizer; speculative decoding is off (llama has no MTP module).
 - `demo`: mlxserve alone on the built-in demo model (MTP speculative decoding
   on), the model the README serves.
+
+`targets` holds the ratios the continuous-batching issue asks for: mlxserve over
+mlx_lm.server tok/s at every level and ITL p50 at 8 clients, the demo's tok/s
+at 4 (and 8) clients over one client, and the engine's peak memory at 8 clients
+over the weights plus eight one-request caches. `machine` records the device
+MLX ran on (the servers run on the same default device).
 
 Greedy decoding; mlxserve gets `ignore_eos` so every request generates
 `--max-tokens` tokens; mlx_lm.server has no such switch, so its token counts
@@ -139,6 +146,20 @@ async def one_request(
     }
 
 
+def engine_memory(server: Server) -> dict[str, int] | None:
+    """The engine's MLX memory as its last finished request reported it (mlxserve only)."""
+    try:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    memory = {}
+    for line in text.splitlines():
+        if line.startswith("mlxserve_engine_memory_bytes{"):
+            kind = line.split('kind="')[1].split('"')[0]
+            memory[kind] = int(float(line.rsplit(" ", 1)[1]))
+    return memory or None
+
+
 async def run_level(
     server: Server, clients: int, requests: int, max_tokens: int, extra: dict[str, Any]
 ) -> dict[str, Any]:
@@ -155,9 +176,11 @@ async def run_level(
     ttfts = [r["ttft"] for r in results if r["ttft"] is not None]
     gaps = [g for r in results for g in r["gaps"]]
     tokens = sum(r["tokens"] for r in results)
+    memory = engine_memory(server)
     return {
         "clients": clients,
         "requests": len(results),
+        "memory": memory,
         "tokens": tokens,
         "seconds": round(elapsed, 3),
         "tokens_per_s": round(tokens / elapsed, 2),
@@ -184,6 +207,75 @@ def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dic
         for key in keys:
             row[key] = round(a[key] / b[key], 3) if a[key] and b[key] else None
         out.append(row)
+    return out
+
+
+def level(results: list[dict[str, Any]], clients: int) -> dict[str, Any] | None:
+    return next((r for r in results if r["clients"] == clients), None)
+
+
+def targets(report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's ratios, each measured within this run."""
+    out: dict[str, Any] = {}
+    comparison = report.get("comparison")
+    if comparison:
+        rows = comparison["ratio_mlxserve_over_mlx_lm"]
+        out["generic_tokens_per_s_ratio"] = {r["clients"]: r["tokens_per_s"] for r in rows}
+        eight = next((r for r in rows if r["clients"] == 8), None)
+        out["generic_itl_p50_ratio_at_8"] = eight["itl_p50_s"] if eight else None
+        out["generic_memory_at_8"] = memory_ratio(comparison["mlxserve"], 8)
+    demo = report.get("demo")
+    if demo:
+        one = level(demo["mlxserve"], 1)
+        for n in (4, 8):
+            many = level(demo["mlxserve"], n)
+            if one and many and one["tokens_per_s"]:
+                out[f"demo_{n}_over_1"] = round(many["tokens_per_s"] / one["tokens_per_s"], 3)
+        out["demo_memory_at_8"] = memory_ratio(demo["mlxserve"], 8)
+    return out
+
+
+def memory_ratio(results: list[dict[str, Any]], clients: int) -> dict[str, Any] | None:
+    """Peak (since start, so over levels up to ``clients``) over weights + n caches.
+
+    One request's caches are those the engine reported at one client (its share of
+    the batch's caches at its end: the longest they get in this benchmark).
+    """
+    one, many = level(results, 1), level(results, clients)
+    if not one or not many or not one["memory"] or not many["memory"]:
+        return None
+    weights = one["memory"].get("weights_bytes", 0)
+    cache = one["memory"].get("cache_bytes", 0)
+    peak = many["memory"].get("peak_bytes", 0)
+    budget = weights + clients * cache
+    return {
+        "peak_bytes": peak,
+        "weights_bytes": weights,
+        "one_request_cache_bytes": cache,
+        "weights_plus_caches_bytes": budget,
+        "ratio": round(peak / budget, 3) if budget else None,
+    }
+
+
+def machine() -> dict[str, Any]:
+    """Where MLX runs in this environment (the servers run with the same Python)."""
+    probe = (
+        "import json, platform, mlx.core as mx; "
+        "info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}; "
+        "print(json.dumps({'mlx': mx.__version__, 'device': str(mx.default_device()), "
+        "'device_info': info, 'cuda': mx.cuda.is_available(), "
+        "'python': platform.python_version()}))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
+    )
+    out: dict[str, Any] = {"cpus": os.cpu_count(), "platform": sys.platform}
+    try:
+        out.update(json.loads(found.stdout))
+    except json.JSONDecodeError:
+        out["probe_error"] = found.stderr[-500:]
+    blas = os.environ.get("LD_PRELOAD", "")
+    out["ld_preload"] = blas or None
     return out
 
 
@@ -220,7 +312,7 @@ def build_tiny_llama(out_dir: Path) -> Path:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--clients", default="1,2,4,8,16")
     parser.add_argument("--requests", type=int, default=3, help="per client, one after another")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path)
@@ -228,7 +320,7 @@ def main() -> int:
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
     report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "platform": sys.platform},
+        "machine": machine(),
         "settings": {
             "levels": levels,
             "requests_per_client": args.requests,
@@ -267,6 +359,7 @@ def main() -> int:
             }
         finally:
             server.stop()
+    report["targets"] = targets(report)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

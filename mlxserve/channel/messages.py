@@ -64,6 +64,7 @@ class Finish(_Message):
     cached_tokens: int = 0
     speculative: dict[str, Any] | None = None
     error: str | None = None
+    memory: dict[str, int] | None = None
 
 
 class Status(_Message):

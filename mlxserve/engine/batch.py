@@ -48,6 +48,9 @@ class DecodeBatch(Protocol):
     def row_state(self, index: int) -> ModelState:
         """Row ``index`` as a single-sequence state of the adapter (a copy or the row)."""
 
+    def nbytes(self) -> int:
+        """The bytes of every row's caches."""
+
     def step(self, tokens: mx.array) -> mx.array:
         """Add one token per row (``tokens`` [B]); return the logits [B, vocab], lazily."""
 
@@ -93,6 +96,9 @@ class CacheBatch:
     def row_state(self, index: int) -> PlainState:
         return PlainState([cache.extract(index) for cache in self.cache])
 
+    def nbytes(self) -> int:
+        return sum(int(getattr(cache, "nbytes", 0)) for cache in self.cache)
+
     def step(self, tokens: mx.array) -> mx.array:
         logits: mx.array = self.model(tokens[:, None], cache=self.cache)
         self.lengths = [length + 1 for length in self.lengths]
@@ -123,6 +129,10 @@ class RowBatch:
 
     def row_state(self, index: int) -> Any:
         return self.states[index]
+
+    def nbytes(self) -> int:
+        caches = [c for s in self.states for c in (*s.cache, *getattr(s, "mtp_cache", ()))]
+        return sum(int(getattr(cache, "nbytes", 0)) for cache in caches)
 
     def layer_rows(self, caches: list[list[Any]]) -> list[Any]:
         return [layer[0].rows(list(layer)) for layer in zip(*caches, strict=True)]

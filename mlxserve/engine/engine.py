@@ -18,6 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from mlxserve.engine.adapter import ModelAdapter
 from mlxserve.engine.prefix_cache import PrefixCache
 from mlxserve.engine.request import (
@@ -86,6 +89,15 @@ class RequestStream:
                 return
 
 
+def _weights_bytes(adapter: ModelAdapter) -> int:
+    model = getattr(adapter, "model", None)
+    if model is None:
+        return 0
+    arrays = tree_flatten(model.parameters())
+    assert isinstance(arrays, list)
+    return sum(int(array.nbytes) for _, array in arrays)
+
+
 class Engine:
     def __init__(
         self,
@@ -96,6 +108,7 @@ class Engine:
     ) -> None:
         self.adapter = adapter
         self.lockstep = lockstep
+        self._weights_bytes = _weights_bytes(adapter)
         self.config = config
         self.depth = min(config.speculative_depth, adapter.max_draft_depth)
         cache = None
@@ -270,7 +283,7 @@ class Engine:
             return
         sequence.phase = Phase.FINISHED
         sequence.finish_reason = reason
-        self.runner.release(sequence)
+        cache_bytes = self.runner.release(sequence)
         sequence.pending = None
         sequence.state = None
         usage = Usage(
@@ -280,4 +293,10 @@ class Engine:
         )
         speculative = sequence.stats.as_dict() if sequence.depth > 0 else None
         stream = self._streams.pop(sequence.request_id)
-        stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error))
+        memory = {
+            "active_bytes": int(mx.get_active_memory()),
+            "peak_bytes": int(mx.get_peak_memory()),
+            "weights_bytes": self._weights_bytes,
+            "cache_bytes": cache_bytes,
+        }
+        stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error, memory))

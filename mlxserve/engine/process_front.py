@@ -316,6 +316,7 @@ def to_finish(event: FinishEvent) -> Finish:
         cached_tokens=event.usage.cached_tokens,
         speculative=event.speculative,
         error=event.error,
+        memory=event.memory,
     )
 
 

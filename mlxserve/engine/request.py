@@ -107,6 +107,9 @@ class FinishEvent:
     usage: Usage
     speculative: dict[str, object] | None = None
     error: str | None = None
+    # The engine's memory when it finished (bytes): MLX active and peak memory, the
+    # model weights, and this request's share of the caches (for benchmarks).
+    memory: dict[str, int] | None = None
 
 
 Event = TokensEvent | FinishEvent

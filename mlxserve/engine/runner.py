@@ -86,12 +86,18 @@ class Runner:
             if gone:
                 self._remove(batch, gone, finished=True)
 
-    def release(self, sequence: Sequence) -> None:
-        """A request outside any batch finished: keep its final state for reuse."""
-        if sequence.request_id in self._batch_of or sequence.state is None:
-            return  # batched rows leave in ``settle``
+    def release(self, sequence: Sequence) -> int:
+        """A request finished: its share of the cache bytes; outside any batch, its
+        final state is kept for reuse now (batched rows leave in ``settle``)."""
+        batch = self._batch_of.get(sequence.request_id)
+        if batch is not None:
+            return batch.state.nbytes() // max(len(batch.rows), 1)
+        if sequence.state is None:
+            return 0
+        nbytes = self.adapter.nbytes(sequence.state)
         if self.prefix_cache is not None and sequence.finish_reason in _REUSABLE:
             self._keep_final(sequence, sequence.state)
+        return nbytes
 
     # -- prefill -------------------------------------------------------------
 

@@ -198,6 +198,8 @@ class Generations:
         self.metrics.completion_tokens.inc(completion)
         self.metrics.duration.observe(time.perf_counter() - arrived)
         speculative = finish.speculative if finish is not None else None
+        if finish is not None and finish.memory:
+            self.metrics.record_memory(finish.memory)
         if speculative:
             self.metrics.record_speculative(
                 int(speculative.get("drafted", 0)), int(speculative.get("accepted", 0))

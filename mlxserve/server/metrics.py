@@ -6,6 +6,8 @@ apps in one process and every number on /metrics belongs to this server.
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+#: what an engine reports with each finished request (``FinishEvent.memory``)
+MEMORY_KINDS = ("active_bytes", "peak_bytes", "weights_bytes", "cache_bytes")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -71,6 +73,13 @@ class Metrics:
             "Accepted / drafted MTP tokens since start",
             registry=r,
         )
+        self.engine_memory = Gauge(
+            "mlxserve_engine_memory_bytes",
+            "The engine's MLX memory at the last finished request: active, peak (since "
+            "start), weights, and that request's share of the decode caches (cache)",
+            ["kind"],
+            registry=r,
+        )
         self.failovers = Counter(
             "mlxserve_failovers",
             "Times traffic moved to a later backend because the active one failed",
@@ -114,6 +123,11 @@ class Metrics:
             ["backend", "kind", "plan_hash"],
             registry=r,
         )
+
+    def record_memory(self, memory: dict[str, int]) -> None:
+        for key, value in memory.items():
+            if key in MEMORY_KINDS:
+                self.engine_memory.labels(key).set(value)
 
     def record_speculative(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:

@@ -49,6 +49,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int = 0
     speculative: dict[str, Any] | None = None
+    memory: dict[str, int] | None = None
 
 
 BackendEvent = Tokens | Finished

@@ -295,6 +295,7 @@ class LocalEngine(Backend):
                     completion_tokens=message.completion_tokens,
                     cached_tokens=message.cached_tokens,
                     speculative=message.speculative,
+                    memory=message.memory,
                 )
             )
         elif isinstance(message, Status):
