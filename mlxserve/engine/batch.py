@@ -13,8 +13,9 @@ step runs one forward for every row without copying the batch. Two forms:
   row's sliding window, compressors and indexer advance at that row's own
   position; ``LayerCache.rows``). Joining and leaving are list operations and a
   row's state is always its own single-sequence state; no padding.
-  ``MTPRowBatch`` also keeps each row's MTP cache and carried streams current,
-  so a row can leave the batch and speculate on its own again.
+  ``MTPRowBatch`` brings each row's MTP cache and carried streams up to date
+  (in one MTP forward for the steps since the last time) before a row leaves, so
+  it can speculate on its own again.
 """
 
 from typing import Any, Protocol
@@ -53,9 +54,6 @@ class DecodeBatch(Protocol):
 
     def step(self, tokens: mx.array) -> mx.array:
         """Add one token per row (``tokens`` [B]); return the logits [B, vocab], lazily."""
-
-    def side_effects(self) -> list[Any]:
-        """Arrays the step updated that its logits do not depend on (evaluate with them)."""
 
 
 class CacheBatch:
@@ -104,9 +102,6 @@ class CacheBatch:
         self.lengths = [length + 1 for length in self.lengths]
         return logits[:, -1]
 
-    def side_effects(self) -> list[Any]:
-        return []
-
 
 class RowBatch:
     """Rows whose per-layer caches batch as rows (``cache.rows``): DeepSeek-V4."""
@@ -142,36 +137,66 @@ class RowBatch:
         logits: mx.array = self.model(tokens[:, None], cache=cache)
         return logits[:, -1]
 
-    def side_effects(self) -> list[Any]:
-        return []
-
 
 class MTPRowBatch(RowBatch):
     """``RowBatch`` for ``MTPAdapter`` states (main cache, MTP caches, carried streams).
 
-    Keeps the state invariant of ``mtp_adapter`` for every row: after a step the MTP
-    cache holds the entry of the previous last position (built from its carried
-    streams and the token just added), and the carry is the new last position's
-    streams. The same work ``MTPAdapter.step`` does for one sequence.
+    While rows decode in the batch nobody drafts, so the MTP block does not run per
+    step: each step only records what its cache entries are built from (the streams
+    carried into the step and the token fed). ``flush`` builds those entries for
+    every row in one MTP forward over the backlog, which restores the state
+    invariant of ``mtp_adapter`` (the MTP cache holds every position but the last,
+    ``carry`` is the last position's streams) before a row leaves or the batch
+    changes, and every ``MAX_BACKLOG`` steps so the backlog stays small.
     """
 
+    MAX_BACKLOG = 64
+
+    def __init__(self, model: Any, states: list[Any]) -> None:
+        super().__init__(model, states)
+        self._carry: mx.array | None = None  # [B, 1, hc, D]: the rows' carried streams
+        self._history: list[mx.array] = []  # per step, the streams carried into it
+        self._fed: list[mx.array] = []  # per step, the tokens fed [B]
+
+    def join(self, states: list[ModelState]) -> None:
+        self.flush()
+        super().join(states)
+
+    def keep(self, indices: list[int]) -> None:
+        self.flush()
+        super().keep(indices)
+
+    def row_state(self, index: int) -> Any:
+        self.flush()
+        return self.states[index]
+
     def step(self, tokens: mx.array) -> mx.array:
-        states = self.states
+        if self._carry is None:
+            self._carry = mx.concatenate([s.carry for s in self.states], axis=0)
         streams = self.model.forward_hidden(
-            tokens[:, None], self.layer_rows([s.cache for s in states])
+            tokens[:, None], self.layer_rows([s.cache for s in self.states])
         )
-        history = mx.concatenate([s.carry for s in states], axis=0)
-        mtp_cache = self.layer_rows([s.mtp_cache[:1] for s in states])[0]
-        self.model.mtp_forward(history, tokens[:, None], mtp_cache, 0)
-        for index, state in enumerate(states):
-            state.carry = streams[index : index + 1, -1:]
-        logits: mx.array = self.model.head_from_streams(streams[:, -1:])
+        self._history.append(self._carry)
+        self._fed.append(tokens)
+        self._carry = streams[:, -1:]
+        logits: mx.array = self.model.head_from_streams(self._carry)
+        if len(self._fed) >= self.MAX_BACKLOG:
+            self.flush()
         return logits[:, -1]
 
-    def side_effects(self) -> list[Any]:
-        # Nothing reads the MTP cache while rows decode plainly: evaluate it each step
-        # so its lazy graph does not grow.
-        return [[c.state for c in s.mtp_cache[:1]] for s in self.states]
+    def flush(self) -> None:
+        """Build the MTP entries of the steps since the last flush, for every row."""
+        if not self._fed:
+            return
+        assert self._carry is not None
+        history = mx.concatenate(self._history, axis=1)
+        successors = mx.stack(self._fed, axis=1)
+        mtp_cache = self.layer_rows([s.mtp_cache[:1] for s in self.states])[0]
+        self.model.mtp_forward(history, successors, mtp_cache, 0)
+        for index, state in enumerate(self.states):
+            state.carry = self._carry[index : index + 1]
+        self._history, self._fed, self._carry = [], [], None
+        mx.eval([s.carry for s in self.states], [c.state for s in self.states for c in s.mtp_cache])
 
 
 def new_batch(adapter: ModelAdapter, states: list[ModelState]) -> DecodeBatch | None:

@@ -217,7 +217,7 @@ class Runner:
             inputs = batch.tokens
         logits = batch.state.step(inputs)
         following = self._sample(rows, logits).astype(mx.int32)
-        mx.async_eval(following, batch.state.side_effects())  # type: ignore[no-untyped-call]
+        mx.async_eval(following)  # type: ignore[no-untyped-call]
         values = inputs.tolist()
         assert isinstance(values, list)
         for index, sequence in enumerate(rows):

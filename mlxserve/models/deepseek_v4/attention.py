@@ -136,10 +136,12 @@ class Attention(Module):
         previous = min(previous, self.sliding_window - 1)
         keys = cache.update_window(kv)
         keys = keys[:, keys.shape[1] - previous - length :]
-        mask = mx.broadcast_to(
-            window_mask(start, length, previous, self.sliding_window),
-            (batch, length, previous + length),
-        )
+        mask: mx.array | None = None  # one query sees its whole window: no mask
+        if length > 1:
+            mask = mx.broadcast_to(
+                window_mask(start, length, previous, self.sliding_window),
+                (batch, length, previous + length),
+            )
 
         if self.layer_type != SLIDING:
             keys, mask = self._add_compressed(x, q_residual, cache, keys, mask)
@@ -150,7 +152,7 @@ class Attention(Module):
             keys[:, None],
             keys[:, None],
             scale=self.head_dim**-0.5,
-            mask=mask[:, None],
+            mask=None if mask is None else mask[:, None],
             sinks=self.attn_sink.astype(q.dtype),
         )
         out: mx.array = self.rope(attended, offset=start, inverse=True).swapaxes(1, 2)
@@ -162,8 +164,8 @@ class Attention(Module):
         q_residual: mx.array,
         cache: LayerCache,
         keys: mx.array,
-        mask: mx.array,
-    ) -> tuple[mx.array, mx.array]:
+        mask: mx.array | None,
+    ) -> tuple[mx.array, mx.array | None]:
         """Append this layer's compressed entries to the keys and extend the mask."""
         batch, length, _ = x.shape
         start = cache.offset
@@ -174,6 +176,11 @@ class Attention(Module):
         if entries is None:
             return keys, mask
         num = int(entries.shape[1])
+        if chosen is None and mask is None:
+            # One query (no window mask): every closed entry is causally visible to it.
+            return mx.concatenate([keys, entries.astype(keys.dtype)], axis=1), None
+        if mask is None:
+            mask = mx.ones((batch, length, keys.shape[1]), dtype=mx.bool_)
         if chosen is None:
             visible = mx.arange(num)[None, :] < visible_entries(start, length, self.ratio)
             extra = mx.broadcast_to(visible, (batch, length, num))
