@@ -107,10 +107,13 @@ class Attention(Module):
         q = mx.fast.rms_norm(q, None, self.eps).swapaxes(1, 2)  # [B, H, S, D]
         kv = self.norm(self.wkv(x))  # [B, S, D]
         if isinstance(cache, RowCaches):
-            # Each row at its own position: the cache-dependent core row by row,
-            # the projections before and after it once for the whole batch.
+            # Each row at its own position: the cache-dependent core row by row; the
+            # projections and rotations (at per-row offsets) once for the whole batch.
             assert len(cache.rows) == batch
-            out = mx.concatenate(
+            offsets = mx.array(cache.offsets)
+            q = self.rope(q, offset=offsets)
+            kv = self.rope(kv, offset=offsets)
+            attended = mx.concatenate(
                 [
                     self._attend(
                         x[i : i + 1], q_residual[i : i + 1], q[i : i + 1], kv[i : i + 1], row
@@ -118,8 +121,13 @@ class Attention(Module):
                     for i, row in enumerate(cache.rows)
                 ]
             )
+            out = self.rope(attended, offset=offsets, inverse=True).swapaxes(1, 2)
         else:
-            out = self._attend(x, q_residual, q, kv, cache)
+            start = cache.offset
+            q = self.rope(q, offset=start)
+            kv = self.rope(kv, offset=start)
+            attended = self._attend(x, q_residual, q, kv, cache)
+            out = self.rope(attended, offset=start, inverse=True).swapaxes(1, 2)
         out = out.reshape(batch * length, self.o_groups, 1, -1)
         out = self.wo_a(out, self._group_ids)
         return self.wo_b(out.reshape(batch, length, -1))
@@ -127,11 +135,10 @@ class Attention(Module):
     def _attend(
         self, x: mx.array, q_residual: mx.array, q: mx.array, kv: mx.array, cache: LayerCache
     ) -> mx.array:
-        """Rotate, attend over the window and the compressed entries: [B, S, H, D]."""
+        """Attend (rotated ``q``, ``kv``) over the window and the compressed entries;
+        returns [B, H, S, D], still rotated."""
         batch, length, _ = x.shape
         start = cache.offset
-        q = self.rope(q, offset=start)
-        kv = self.rope(kv, offset=start)
         previous = 0 if cache.window is None else int(cache.window.shape[1])
         previous = min(previous, self.sliding_window - 1)
         keys = cache.update_window(kv)
@@ -147,7 +154,7 @@ class Attention(Module):
             keys, mask = self._add_compressed(x, q_residual, cache, keys, mask)
         cache.advance(length)
 
-        attended = mx.fast.scaled_dot_product_attention(
+        out: mx.array = mx.fast.scaled_dot_product_attention(
             q,
             keys[:, None],
             keys[:, None],
@@ -155,7 +162,6 @@ class Attention(Module):
             mask=None if mask is None else mask[:, None],
             sinks=self.attn_sink.astype(q.dtype),
         )
-        out: mx.array = self.rope(attended, offset=start, inverse=True).swapaxes(1, 2)
         return out
 
     def _add_compressed(

@@ -70,9 +70,15 @@ class PartialRoPE(Module):
         self._factor = _attention_factor(params, max_positions)
 
     def __call__(
-        self, x: mx.array, offset: int = 0, scale: float = 1.0, inverse: bool = False
+        self,
+        x: mx.array,
+        offset: int | mx.array = 0,
+        scale: float = 1.0,
+        inverse: bool = False,
     ) -> mx.array:
         """Positions are ``scale * (offset + t)``; ``inverse`` rotates by the negative angle.
+
+        ``offset`` may be an array [B]: one offset per batch row.
 
         The reference scales cos and sin by the attention factor in both directions,
         so the inverse rotation is scaled by it too.
