@@ -151,6 +151,8 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     from mlxserve.reliability.watchdog import Watchdog
 
     engine, loaded = build_engine(settings, plan, membership.rank, membership.group)
+    # The peak memory reported with each request is the serving peak, not loading's.
+    mx.reset_peak_memory()
     if faults.armed:
         log.warning("FAULT INJECTION ARMED (tests only): %s", faults.describe())
         engine.before_step = FaultInjector(faults)
