@@ -150,7 +150,7 @@ class MTPRowBatch(RowBatch):
     changes, and every ``MAX_BACKLOG`` steps so the backlog stays small.
     """
 
-    MAX_BACKLOG = 64
+    MAX_BACKLOG = 16
 
     def __init__(self, model: Any, states: list[Any]) -> None:
         super().__init__(model, states)
