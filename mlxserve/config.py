@@ -93,6 +93,18 @@ class SpeculativeSettings(_Section):
     )
 
 
+class ChatSettings(_Section):
+    """How chat prompts are built when the request does not say."""
+
+    thinking: bool | None = Field(
+        None,
+        description="Thinking mode by default (a request's `thinking` or "
+        "`chat_template_kwargs.thinking` overrides it). Unset: on for DeepSeek-V4's own "
+        "prompt encoder, as in DeepSeek's API; the template's own default otherwise. "
+        "Applies only to models that have a thinking mode.",
+    )
+
+
 class ServerSettings(_Section):
     """The HTTP front: where it listens, who may call it, and how it protects itself."""
 
@@ -203,6 +215,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)  # type: ignore[arg-type]
     server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
+    chat: ChatSettings = Field(default_factory=ChatSettings)  # type: ignore[arg-type]
     fallback: list[FallbackSettings] = Field(
         default_factory=list,
         description="Backends tried in order when the primary engine is not healthy "

@@ -30,9 +30,7 @@ Piece = Reasoning | Content | ParsedToolCall
 class ChatOutput:
     """Push text deltas, get pieces; `finish` flushes what was held back."""
 
-    def __init__(
-        self, *, reasoning_end: str | None, tools: ToolCallParser | None = None
-    ) -> None:
+    def __init__(self, *, reasoning_end: str | None, tools: ToolCallParser | None = None) -> None:
         self._end = reasoning_end  # None: no reasoning part (chat mode)
         self._held = ""
         self._tools = tools

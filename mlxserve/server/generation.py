@@ -58,6 +58,7 @@ class Delta:
     cached_tokens: int = 0
     speculative: dict[str, Any] | None = None
     backend: str | None = None  # the backend that produced it (after failovers, the last)
+    token_ids: tuple[int, ...] = ()  # the last delta: every completion token
 
 
 class Generations:
@@ -207,4 +208,5 @@ class Generations:
             cached_tokens=finish.cached_tokens if finish is not None else 0,
             speculative=speculative,
             backend=job.backend,
+            token_ids=tuple(job.sent),
         )

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001
 """DeepSeek-V4's prompt encoder against prompts written out by hand from the published format.
 
 Every expected string below is spelled out literally (tokens, newlines, the tools
@@ -180,8 +181,7 @@ def test_tool_loop_without_tools_drops_reasoning_before_the_results() -> None:
         Message("tool", "sunny", tool_call_id="c1"),
     ]
     expected = (
-        f"{B}{U}Weather?{A}</think>\n\n{CALL_DSML}{E}"
-        f"{U}<tool_result>sunny</tool_result>{A}<think>"
+        f"{B}{U}Weather?{A}</think>\n\n{CALL_DSML}{E}{U}<tool_result>sunny</tool_result>{A}<think>"
     )
     assert encode(messages, thinking=True) == expected
 

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF002
 """DeepSeek-V4's tool calls (DSML) read back from the model's streamed answer.
 
 The model writes its calls after its answer text::
@@ -69,7 +70,9 @@ def parse_block(body: str) -> list[ParsedToolCall]:
             if key in seen:
                 raise MalformedDsml(f"parameter '{key}' twice in '{name}'")
             seen.add(key)
-            fragments.append(("{" if not fragments else ", ") + f"{to_json(key)}: {_value(raw, is_string)}")
+            fragments.append(
+                ("{" if not fragments else ", ") + f"{to_json(key)}: {_value(raw, is_string)}"
+            )
             rest = rest[end + len(PARAMETER_END) :]
         fragments.append("}" if fragments else "{}")
         calls.append(ParsedToolCall(name, tuple(fragments)))

@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001, RUF002
 """DeepSeek-V4's prompt format: a conversation to the exact text the model was trained on.
 
 DeepSeek-V4 ships no chat template. Its prompt format is defined by the Python
@@ -166,7 +167,7 @@ def render_tool_calls(calls: Sequence[ToolCall]) -> str:
         if not isinstance(arguments, dict):
             arguments = {"arguments": arguments}
         parameters = "\n".join(
-            f'{PARAMETER_START} name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
+            f'{PARAMETER_START} name="{key}" string="{str(isinstance(value, str)).lower()}">'
             f"{value if isinstance(value, str) else to_json(value)}{PARAMETER_END}"
             for key, value in arguments.items()
         )
