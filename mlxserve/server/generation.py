@@ -91,6 +91,13 @@ class Generations:
                 param="model",
             )
 
+    def checked_ids(self, ids: list[int], *, param: str) -> list[int]:
+        """``ids`` if every one is in the vocabulary, else a 400 naming the first that is not."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is not in the vocabulary", param=param)
+        return ids
+
     def prepare(
         self,
         prompt_ids: list[int],
@@ -105,9 +112,7 @@ class Generations:
     ) -> Prepared:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is not in the vocabulary", param="prompt")
+        self.checked_ids(prompt_ids, param="prompt")
         context = self.context_length()
         if context is None:
             raise ServiceUnavailable("no backend has started yet", self.retry_after_s)

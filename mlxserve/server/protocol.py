@@ -184,6 +184,18 @@ class CompletionRequest(_GenerationRequest):
         return [int(token) for token in value if isinstance(token, int)]
 
 
+class TokenizeKind(_Lenient):
+    """/tokenize takes a chat body or a completion body: which one has this request?"""
+
+    messages: Any = None
+    prompt: Any = None
+
+
+class DetokenizeRequest(_Lenient):
+    model: str = Field(min_length=1)
+    tokens: list[int]
+
+
 # -- responses -------------------------------------------------------------------
 
 

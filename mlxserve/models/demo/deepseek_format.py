@@ -1,4 +1,4 @@
-# ruff: noqa: RUF001
+# ruff: noqa: RUF001, RUF002
 """The demo checkpoint dressed as the published DeepSeek-V4: its special tokens, no template.
 
 The published DeepSeek-V4 ships no chat template, so the server builds its prompts
