@@ -14,7 +14,8 @@ BLOCK = (
     '<｜DSML｜invoke name="get_weather">\n'
     '<｜DSML｜parameter name="city" string="true">Paris "centre"\n2e</｜DSML｜parameter>\n'
     '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
-    '<｜DSML｜parameter name="opts" string="false">{"unit": "C", "hourly": [1, 2]}</｜DSML｜parameter>\n'
+    '<｜DSML｜parameter name="opts" string="false">'
+    '{"unit": "C", "hourly": [1, 2]}</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n"
     '<｜DSML｜invoke name="now">\n'
     "\n"
@@ -102,7 +103,9 @@ def test_malformed_blocks_come_back_as_text(broken: str) -> None:
 def test_parse_block_names_the_problem() -> None:
     with pytest.raises(MalformedDsml, match="not JSON"):
         parse_block(
-            '\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="false">nope</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+            '\n<｜DSML｜invoke name="f">\n'
+            '<｜DSML｜parameter name="a" string="false">nope</｜DSML｜parameter>\n'
+            "</｜DSML｜invoke>\n"
         )
 
 
