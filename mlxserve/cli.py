@@ -159,7 +159,7 @@ def _add_serve(commands: Any) -> None:
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from mlxserve.commands.demo_model import run_demo_model
 
-    return run_demo_model(args.out, progress=not args.quiet)
+    return run_demo_model(args.out, progress=not args.quiet, deepseek_format=args.deepseek_format)
 
 
 def _add_demo_model(commands: Any) -> None:
@@ -170,6 +170,12 @@ def _add_demo_model(commands: Any) -> None:
         "--out", type=Path, help="target directory (default: the cache, as model = 'demo' uses)"
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--deepseek-format",
+        action="store_true",
+        help="the variant with DeepSeek-V4's special tokens and no chat template "
+        "(prompts from DeepSeek-V4's own encoder)",
+    )
     demo.set_defaults(handler=_cmd_demo_model)
 
 
