@@ -29,7 +29,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         "--cluster",
         metavar="CHIPS",
         help="plan for a simulated cluster, e.g. 'Apple M3 Ultra,Apple M5 Max' "
-        "(per rank: CHIP[:macos=V][:mlx=V]; 'cpu' for a Linux CPU rank)",
+        "(per rank: CHIP[:macos=V][:mlx=V]; 'cpu' or 'cuda' for a Linux CPU or NVIDIA rank)",
     )
     parser.add_argument(
         "--backend",
