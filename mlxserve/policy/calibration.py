@@ -145,7 +145,8 @@ def _first_failure(record: CalibrationRecord, variant: str) -> str | None:
             continue
         scale = max(shape.reference_max_abs or 0.0, 1e-6)
         if result.max_abs_diff is None or not result.max_abs_diff <= MAX_REL_DIFF * scale:
-            return f"{shape.label()}: output differs from {STOCK} (max abs diff {result.max_abs_diff})"
+            diff = result.max_abs_diff
+            return f"{shape.label()}: output differs from {STOCK} (max abs diff {diff})"
     return None
 
 
@@ -170,18 +171,24 @@ def choose(record: CalibrationRecord) -> Verdict | None:
         return None
     prefill = [s for s in record.shapes if s.kind == "prefill"] or record.shapes
     quoted = min(prefill, key=lambda s: s.tokens)
-    common = {
-        "chip": record.chip,
-        "device_type": record.device_type,
-        "mlx_version": record.mlx_version,
-        "calibrated_on": record.created_at[:10],
-        "chunk": quoted.tokens,
-        "failed": failed,
-    }
+
+    def verdict(variant: str, baseline: str | None, ratio: float | None) -> Verdict:
+        return Verdict(
+            chip=record.chip,
+            device_type=record.device_type,
+            mlx_version=record.mlx_version,
+            calibrated_on=record.created_at[:10],
+            variant=variant,
+            chunk=quoted.tokens,
+            baseline=baseline,
+            ratio=None if ratio is None else round(ratio, 3),
+            failed=failed,
+        )
+
     if STOCK not in safe:
         # Without a stock time there is nothing to compare with: the fastest by total time.
         best = min(safe, key=lambda n: sum(_time(n, s) for s in record.shapes))
-        return Verdict(variant=best, baseline=None, ratio=None, **common)
+        return verdict(best, None, None)
 
     def score(name: str) -> float:
         """Geometric mean of the variant's time over stock's, across the shapes."""
@@ -192,12 +199,12 @@ def choose(record: CalibrationRecord) -> Verdict | None:
     if others and score(others[0]) <= 1 / MIN_GAIN:
         best = others[0]
         ratio = _time(STOCK, quoted) / _time(best, quoted)
-        return Verdict(variant=best, baseline=STOCK, ratio=round(ratio, 3), **common)
+        return verdict(best, STOCK, ratio)
     if not others:
-        return Verdict(variant=STOCK, baseline=None, ratio=None, **common)
+        return verdict(STOCK, None, None)
     runner = others[0]
     ratio = _time(runner, quoted) / _time(STOCK, quoted)
-    return Verdict(variant=STOCK, baseline=runner, ratio=round(ratio, 3), **common)
+    return verdict(STOCK, runner, ratio)
 
 
 def verdict_for(

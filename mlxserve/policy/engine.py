@@ -102,8 +102,8 @@ def _resolver(profile: RankProfile, verdict: Verdict | None) -> Resolve:
             return _plain(key, rule)
         assert verdict is not None  # speed rules only match calibrated ranks
         # The stock call is named `off` on a rank that has no NAX path.
-        value = "off" if verdict.variant == STOCK and not profile.nax else verdict.variant
-        value = DECISIONS[key].coerce(value)
+        name = "off" if verdict.variant == STOCK and not profile.nax else verdict.variant
+        value = DECISIONS[key].coerce(name)
         return Decision(value=value, rule=rule.id, reason=verdict.reason(str(value)))
 
     return resolve

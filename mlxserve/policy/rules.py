@@ -75,7 +75,7 @@ class Rule(BaseModel):
                 raise ValueError(f"decision {key!r} is {spec.scope}-scoped, rule is {self.scope}")
             if raw == FASTEST:
                 if not spec.calibrated:
-                    raise ValueError(f"{key} is not measured by calibration; it cannot be {FASTEST!r}")
+                    raise ValueError(f"{key} is not calibrated; it cannot be {FASTEST!r}")
                 if self.hazard:
                     raise ValueError(f"a hazard rule cannot decide {key} by speed ({FASTEST!r})")
                 continue
