@@ -5,6 +5,7 @@ variables (nested with `__`, e.g. `MLXSERVE_POLICY__NAX_MOE`), CLI flags.
 Every field's description is the documentation of that setting.
 """
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -168,11 +169,25 @@ class ServerSettings(_Section):
     retry_after_s: int = Field(
         1, ge=1, description="Retry-After (seconds) sent with 429 and 503 answers."
     )
+    state_dir: Path | None = Field(
+        None,
+        description="Directory for what mlxserve learns about this machine (e.g. "
+        "`mlxserve policy calibrate`'s records); default: $MLXSERVE_CACHE_DIR, else "
+        "~/.cache/mlxserve.",
+    )
     engine_env: dict[str, str] = Field(
         default_factory=dict,
         description="Extra environment of the primary engine process. MLXSERVE_FAULT_* "
         "entries (fault injection for tests) apply to its first start only.",
     )
+
+
+def resolved_state_dir(server: ServerSettings) -> Path:
+    """`server.state_dir`, or the default: `$MLXSERVE_CACHE_DIR`, else `~/.cache/mlxserve`."""
+    if server.state_dir is not None:
+        return server.state_dir.expanduser()
+    env = os.environ.get("MLXSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "mlxserve"
 
 
 class FallbackSettings(_Section):
