@@ -76,3 +76,17 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def usable_memory_bytes() -> int:
+    """Memory this process can fill with weights; 0 when unknown.
+
+    On Metal that is the GPU's recommended working set (about three quarters of a Mac's
+    unified memory unless raised with ``iogpu.wired_limit_mb``), elsewhere the device's
+    or the machine's memory. Imports MLX, so call it only when needed.
+    """
+    import mlx.core as mx
+
+    info = mx.device_info()
+    limit = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    return int(limit or _physical_memory())
