@@ -202,6 +202,7 @@ class Engine:
             if sequence is not None:
                 self._finish(sequence, "cancelled")
                 self.scheduler.remove_finished()
+                self.runner.settle()
                 if self.lockstep is not None:
                     self.lockstep.cancelled(message.request_id)
 
@@ -244,6 +245,7 @@ class Engine:
             if tokens and sequence.phase is not Phase.FINISHED:
                 self._emit(sequence, tokens)
         self.scheduler.remove_finished()
+        self.runner.settle()
 
     def _emit(self, sequence: Sequence, tokens: list[int]) -> None:
         stop_ids = sequence.request.stop_token_ids
@@ -268,6 +270,7 @@ class Engine:
             return
         sequence.phase = Phase.FINISHED
         sequence.finish_reason = reason
+        self.runner.release(sequence)
         sequence.pending = None
         sequence.state = None
         usage = Usage(

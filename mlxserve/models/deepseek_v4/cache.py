@@ -166,3 +166,27 @@ class LayerCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.state)
+
+    @classmethod
+    def rows(cls, caches: list[LayerCache]) -> RowCaches:
+        """Several sequences' caches of this layer, for one batched forward."""
+        return RowCaches(caches)
+
+
+class RowCaches:
+    """The caches of one layer for a batch of sequences, each at its own offset.
+
+    A DeepSeek-V4 layer's state is per sequence in a way a padded tensor does not fit:
+    compressors close a window every ``ratio`` positions *of that sequence*, and the
+    window, the entries and the indexer's picks all depend on the row's own position.
+    So each row keeps its own ``LayerCache``; the attention runs the cache-dependent
+    part row by row and everything else (projections, MoE, head) once for the batch.
+    Rows join and leave a batch by list operations: no cache is copied.
+    """
+
+    def __init__(self, rows: list[LayerCache]) -> None:
+        self.rows = rows
+
+    @property
+    def offsets(self) -> list[int]:
+        return [row.offset for row in self.rows]

@@ -16,7 +16,7 @@ model then has no MTP blocks and is served without drafting (see ``dspark.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
@@ -26,7 +26,7 @@ from mlx.nn.layers.normalization import RMSNorm
 from mlx.utils import tree_flatten
 
 from .attention import Attention
-from .cache import LayerCache
+from .cache import LayerCache, RowCaches
 from .config import ModelArgs
 from .dspark import drop_draft_head, has_dspark_head
 from .hyper_connections import HyperConnection, HyperHead, collapse, expand
@@ -50,7 +50,9 @@ class DecoderLayer(Module):
         self.hc_attn = HyperConnection(args)  # type: ignore[arg-type]
         self.hc_ffn = HyperConnection(args)  # type: ignore[arg-type]
 
-    def __call__(self, streams: mx.array, token_ids: mx.array, cache: LayerCache) -> mx.array:
+    def __call__(
+        self, streams: mx.array, token_ids: mx.array, cache: LayerCache | RowCaches
+    ) -> mx.array:
         # V4 computes each block's collapse weights from the streams entering *that* block.
         pre, post, comb = self.hc_attn(streams)
         h = self.attn(self.attn_norm(collapse(streams, pre)), cache)
@@ -77,7 +79,9 @@ class MTPBlock(DecoderLayer):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
 
-    def decode(self, streams: mx.array, token_ids: mx.array, cache: LayerCache) -> mx.array:
+    def decode(
+        self, streams: mx.array, token_ids: mx.array, cache: LayerCache | RowCaches
+    ) -> mx.array:
         """The block's decoder layer on its input streams [B, S, hc, D]."""
         return DecoderLayer.__call__(self, streams, token_ids, cache)
 
@@ -97,7 +101,7 @@ class TextModel(Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
 
-    def streams(self, inputs: mx.array, cache: list[LayerCache]) -> mx.array:
+    def streams(self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches]) -> mx.array:
         h = self.embed_tokens(inputs)
         batch, length, dim = h.shape
         streams = mx.broadcast_to(h[:, :, None, :], (batch, length, self.hc_mult, dim))
@@ -118,10 +122,14 @@ class Model(Module):
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp: list[MTPBlock] = []
 
-    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches] | None = None
+    ) -> mx.array:
         return self.head_from_streams(self.forward_hidden(inputs, cache))
 
-    def forward_hidden(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+    def forward_hidden(
+        self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches] | None = None
+    ) -> mx.array:
         """Residual streams [B, S, hc_mult, D] after the last layer, before ``hc_head``.
 
         Without ``cache`` a throw-away one is used, so the result is the same as a
@@ -159,7 +167,11 @@ class Model(Module):
         return [block.attn.make_cache(max_rollback) for block in self.mtp]
 
     def mtp_forward(
-        self, streams: mx.array, next_tokens: mx.array, cache: LayerCache, block: int = 0
+        self,
+        streams: mx.array,
+        next_tokens: mx.array,
+        cache: LayerCache | RowCaches,
+        block: int = 0,
     ) -> tuple[mx.array, mx.array]:
         """MTP block ``block``: ``(logits for t + 2, out_streams)``; see ``mtp.mtp_forward``."""
         return mtp_forward(self, streams, next_tokens, cache, block)
