@@ -127,6 +127,13 @@ class MTPAdapter:
         logits: mx.array = self.model.head_from_streams(streams[:, -1:])
         return logits[0, -1]
 
+    def propose(
+        self, level: int, logits: mx.array, params: SamplingParams, key: mx.array
+    ) -> mx.array:
+        """The draft at `level` (0-based) from the MTP logits, lazily. Benchmarks override
+        it with oracle drafts of a set acceptance (`benchmarks/mtp_cost.py`)."""
+        return sample(logits, params, key)
+
     def _draft(
         self, state: MTPState, last_token: int, depth: int, params: SamplingParams, keys: KeyStream
     ) -> tuple[list[mx.array], list[mx.array], list[int]]:
@@ -144,7 +151,7 @@ class MTPAdapter:
             logits, out = self.model.mtp_forward(streams, successors, state.mtp_cache[block], block)
             used[block] += streams.shape[1]
             last = logits[0, -1]
-            successors = sample(last, params, keys.next()).reshape(1, 1)
+            successors = self.propose(level, last, params, keys.next()).reshape(1, 1)
             streams = out[:, -1:]
             drafts.append(successors.reshape(()))
             draft_logits.append(last)
@@ -180,51 +187,65 @@ class MTPAdapter:
         return emitted, depth, accepted
 
     def measure_costs(self, repeats: int = 8, context: int = 32) -> RoundCosts:
-        """Time a plain step, verify(k) for every k and one draft forward, on a throw-away
-        state of `context` tokens: the prior the automatic depth starts from."""
-        state = self.new_state(max_rollback=self.max_draft_depth + 1)
+        """Seconds of a plain step, of verify(k) for every k and of one draft forward, on
+        a throw-away state of `context` tokens, each timed as the engine runs it: plain
+        steps pipelined (the next queued before the last is read), a verify forward
+        with the round's sync, a draft as one link of a synced chain of drafts."""
+        depth = self.max_draft_depth
+        state = self.new_state(max_rollback=max(repeats, depth) + 1)
         self.prefill(state, [(7 * i + 3) % 50 for i in range(context)])
-        token = mx.array([1])
+        token = mx.array([1], mx.int32)
         self.step(state, token)
+        mx.eval(state.carry, [c.state for c in state.cache])
 
-        def timed(run: Any) -> float:
-            run()  # warm-up (kernels compiled, buffers allocated)
-            times = []
+        def median(run: Any, trials: int) -> float:
+            run()  # warm-up: kernels compiled, buffers allocated
+            times = sorted(run() for _ in range(trials))
+            return float(times[len(times) // 2])
+
+        def plain() -> float:
+            start = time.perf_counter()
+            current = token
             for _ in range(repeats):
+                current = mx.argmax(self.step(state, current)).reshape(1)
+                mx.async_eval(current)  # type: ignore[no-untyped-call]
+            mx.eval(current, [c.state for c in state.cache])
+            elapsed = time.perf_counter() - start
+            _trim_state(state, repeats)
+            return elapsed / repeats
+
+        costs = RoundCosts(plain=median(plain, 3))
+        for k in range(1, depth + 1):
+
+            def verify(k: int = k) -> float:
                 start = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - start)
-            times.sort()
-            return times[len(times) // 2]
-
-        def plain() -> None:
-            logits = self.step(state, token)
-            mx.eval(mx.argmax(logits))
-            _trim_state(state, 1)
-
-        costs = RoundCosts(plain=timed(plain))
-        for depth in range(1, self.max_draft_depth + 1):
-
-            def verify(k: int = depth) -> None:
                 streams = self.model.forward_hidden(mx.ones((1, k + 1), mx.int32), state.cache)
                 logits = self.model.head_from_streams(streams)
-                mx.eval(mx.argmax(logits, axis=-1), [c.state for c in state.cache])
+                mx.eval(mx.argmax(logits, axis=-1), streams, [c.state for c in state.cache])
+                elapsed = time.perf_counter() - start
                 for cache in state.cache:
                     _trim(cache, k + 1)
+                return elapsed
 
-            costs.verify[depth] = timed(verify)
-        if self.model.num_mtp_blocks:
+            costs.verify[k] = median(verify, repeats)
+        if self.model.num_mtp_blocks and depth:
             carry = state.carry
             assert carry is not None
 
-            def draft() -> None:
-                logits, _ = self.model.mtp_forward(
-                    carry[:, -1:], token[None], state.mtp_cache[0], 0
-                )
-                mx.eval(mx.argmax(logits[0, -1]), state.mtp_cache[0].state)
-                _trim(state.mtp_cache[0], 1)
+            def draft() -> float:
+                start = time.perf_counter()
+                streams, current = carry[:, -1:], token[None]
+                for _ in range(depth):
+                    logits, streams = self.model.mtp_forward(
+                        streams, current, state.mtp_cache[0], 0
+                    )
+                    current = mx.argmax(logits[:, -1:], axis=-1)
+                mx.eval(current, state.mtp_cache[0].state)
+                elapsed = time.perf_counter() - start
+                _trim(state.mtp_cache[0], depth)
+                return elapsed / depth
 
-            costs.draft = timed(draft)
+            costs.draft = median(draft, 3)
         return costs
 
     def snapshot(self, state: Any) -> MTPState:

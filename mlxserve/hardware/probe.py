@@ -76,3 +76,22 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def benchmark_device() -> dict[str, str]:
+    """What a benchmark's JSON records about where it ran, so figures from a CPU, a Mac
+    and an NVIDIA GPU are never mixed up (and whether a faster BLAS was preloaded)."""
+    import mlx.core as mx
+
+    info = {str(k): v for k, v in mx.device_info().items()}
+    return {
+        "device": str(mx.default_device()),
+        "device_type": _device_type(mx),
+        "device_name": str(info.get("device_name") or info.get("architecture") or ""),
+        "chip": _chip_name(platform.system() == "Darwin"),
+        "mlx": package_version("mlx"),
+        "mlx_lm": package_version("mlx-lm"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+    }
