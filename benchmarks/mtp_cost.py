@@ -23,6 +23,7 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -196,7 +197,7 @@ def main() -> None:
                 "identical_to_depth0": all(r == outputs[0] for r in runs),
             }
             result["runs"].append(entry)
-            print(json.dumps(entry), flush=True)
+            print(json.dumps(entry), file=sys.stderr, flush=True)
         result.setdefault("best_measured", {})[str(acceptance)] = best
     result["worst_measured_over_bound"] = min(r["measured_over_bound"] for r in result["runs"])
     result["wall_s"] = time.perf_counter() - started
