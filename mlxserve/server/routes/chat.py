@@ -21,6 +21,8 @@ from mlxserve.server.protocol import (
     ChatDelta,
 )
 from mlxserve.server.routes.common import (
+    CLIENT_CLOSED,
+    ClientGone,
     backend_header,
     collect,
     dump,
@@ -59,7 +61,10 @@ async def chat_completions(request: Request) -> Response:
     }
     deltas = generations.run(prepared)
     if not body.stream:
-        text, last = await collect(deltas)
+        try:
+            text, last = await collect(deltas, request)
+        except ClientGone:  # nobody to answer; the generation was cancelled
+            return Response(status_code=CLIENT_CLOSED)
         completion = ChatCompletion(
             **meta,
             choices=[
