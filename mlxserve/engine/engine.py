@@ -109,7 +109,7 @@ class Engine:
         self.before_step = before_step
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        # Follower ranks: the streams of the requests mirrored from rank 0.
+        # Follower ranks: the streams of the mirrored requests still running.
         self.mirrored: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -280,4 +280,5 @@ class Engine:
         )
         speculative = sequence.stats.as_dict() if sequence.depth > 0 else None
         stream = self._streams.pop(sequence.request_id)
+        self.mirrored.pop(sequence.request_id, None)  # a follower keeps nothing finished
         stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error))
