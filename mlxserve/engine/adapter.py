@@ -38,15 +38,6 @@ class ModelAdapter(Protocol):
     def nbytes(self, state: ModelState) -> int: ...
 
 
-class BatchingAdapter(Protocol):
-    """An adapter that can also run one decode step for several sequences at once."""
-
-    def can_batch(self, states: list[ModelState]) -> bool: ...
-
-    def step_batch(self, states: list[ModelState], tokens: mx.array) -> mx.array:
-        """Add one token per state (``tokens`` [B]); return the logits [B, vocab], lazily."""
-
-
 class PlainState:
     def __init__(self, cache: list[Any]) -> None:
         self.cache = cache
@@ -80,37 +71,6 @@ class PlainAdapter:
     def snapshot(self, state: ModelState) -> PlainState:
         assert isinstance(state, PlainState)
         return PlainState(copy.deepcopy(state.cache))
-
-    def can_batch(self, states: list[ModelState]) -> bool:
-        """mlx-lm caches that know how to ``merge`` into their batched form (KV, rotating,
-        arrays caches); quantized or chunked KV caches decode one by one."""
-        return all(
-            isinstance(state, PlainState)
-            and all(callable(getattr(cache, "merge", None)) for cache in state.cache)
-            for state in states
-        )
-
-    def step_batch(self, states: list[ModelState], tokens: mx.array) -> mx.array:
-        """One decode step for every state, as mlx-lm's batch generation runs it.
-
-        Each layer's caches are merged into mlx-lm's batched cache (left-padded, with
-        the padding masked), the model runs once on [B, 1], and every sequence gets its
-        own cache back (``extract``). Sequences keep owning their state between steps,
-        so one can join, leave, be cancelled or be stored in the prefix cache at any
-        step. The price is copying the caches twice per step, on top of the attention
-        reading them once: the runner batches only sequences of similar length
-        (``runner.length_groups``) so padding stays bounded. A batch cache that lives
-        across steps (``extend`` / ``filter``, as mlx-lm's ``BatchGenerator`` keeps)
-        would remove the copies.
-        """
-        plain = [state for state in states if isinstance(state, PlainState)]
-        assert len(plain) == len(states)
-        layers = list(zip(*(state.cache for state in plain), strict=True))
-        batched = [layer[0].merge(list(layer)) for layer in layers]
-        logits: mx.array = self.model(tokens[:, None], cache=batched)
-        for index, state in enumerate(plain):
-            state.cache = [cache.extract(index) for cache in batched]
-        return logits[:, -1]
 
     def nbytes(self, state: ModelState) -> int:
         assert isinstance(state, PlainState)

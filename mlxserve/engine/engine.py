@@ -109,7 +109,7 @@ class Engine:
         self.before_step = before_step
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        # Follower ranks: the streams of the requests mirrored from rank 0.
+        # Follower ranks: the streams of the mirrored requests still running.
         self.mirrored: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -202,6 +202,7 @@ class Engine:
             if sequence is not None:
                 self._finish(sequence, "cancelled")
                 self.scheduler.remove_finished()
+                self.runner.settle()
                 if self.lockstep is not None:
                     self.lockstep.cancelled(message.request_id)
 
@@ -244,6 +245,7 @@ class Engine:
             if tokens and sequence.phase is not Phase.FINISHED:
                 self._emit(sequence, tokens)
         self.scheduler.remove_finished()
+        self.runner.settle()
 
     def _emit(self, sequence: Sequence, tokens: list[int]) -> None:
         stop_ids = sequence.request.stop_token_ids
@@ -268,6 +270,7 @@ class Engine:
             return
         sequence.phase = Phase.FINISHED
         sequence.finish_reason = reason
+        self.runner.release(sequence)
         sequence.pending = None
         sequence.state = None
         usage = Usage(
@@ -277,4 +280,5 @@ class Engine:
         )
         speculative = sequence.stats.as_dict() if sequence.depth > 0 else None
         stream = self._streams.pop(sequence.request_id)
+        self.mirrored.pop(sequence.request_id, None)  # a follower keeps nothing finished
         stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error))

@@ -48,13 +48,15 @@ class PrefixCache:
         self._entries.move_to_end(best)
         return self.adapter.snapshot(self._entries[best].state), len(best)
 
-    def store(self, tokens: tuple[int, ...], state: ModelState) -> None:
+    def store(self, tokens: tuple[int, ...], state: ModelState, owned: bool = False) -> None:
+        """Keep a copy of ``state`` after ``tokens`` (``owned``: the state itself, which
+        its caller gives up)."""
         if self.max_entries <= 0 or not tokens or tokens in self._entries:
             return
         nbytes = self.adapter.nbytes(state)
         if nbytes > self.max_bytes:
             return
-        self._entries[tokens] = _Entry(self.adapter.snapshot(state), nbytes)
+        self._entries[tokens] = _Entry(state if owned else self.adapter.snapshot(state), nbytes)
         self._bytes += nbytes
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)

@@ -2,17 +2,20 @@
 
 Plain decoding is pipelined like `mlx_lm.generate`: the next forward is
 queued (`mx.async_eval`) before the current token is read back, so the host
-and the device overlap. A decode plan naming several requests runs them as one
-batch when the adapter can (`BatchingAdapter`): continuous batching, since
-requests join and leave the batch between any two steps. Speculative steps are
-delegated to the adapter.
+and the device overlap. Decoding requests run in decode batches that live
+across steps (`mlxserve.engine.batch`): a request joins its batch when its
+prompt is done (its prefilled state inserted) and leaves it when it finishes
+(`settle`), between any two steps; a step is one forward per batch and no
+copy of the batch. Speculative steps are delegated to the adapter.
 """
 
 import logging
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxserve.engine.adapter import ModelAdapter
+from mlxserve.engine.adapter import ModelAdapter, ModelState
+from mlxserve.engine.batch import DecodeBatch, can_join, new_batch
 from mlxserve.engine.prefix_cache import PrefixCache
 from mlxserve.engine.sampling import sample, token_id
 from mlxserve.engine.sequence import Phase, Sequence
@@ -20,51 +23,45 @@ from mlxserve.engine.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 
-#: A batch pads every cache to its longest; past this padded/real ratio, split it.
-MAX_PADDING_RATIO = 1.5
+#: finish reasons after which a request's final state is worth keeping for reuse
+_REUSABLE = ("stop", "length")
 
 
-def length_groups(sequences: list[Sequence]) -> list[list[Sequence]]:
-    """Split into batches of similar context length (neighbours after sorting).
+@dataclass
+class _Batch:
+    """A decode batch and the sequences of its rows, in row order."""
 
-    The batched caches are left-padded to the longest member, so one 30k-token
-    context among short ones would make every row 30k long; a group is closed when
-    adding the next (longer) sequence would push padded/real size past
-    ``MAX_PADDING_RATIO``.
-    """
-    lengths = {id(s): max(s.state.offset if s.state else 0, 1) for s in sequences}
-    groups: list[list[Sequence]] = []
-    total = 0
-    for sequence in sorted(sequences, key=lambda s: lengths[id(s)]):
-        length = lengths[id(sequence)]
-        group = groups[-1] if groups else None
-        if group is not None and length * (len(group) + 1) <= MAX_PADDING_RATIO * (total + length):
-            group.append(sequence)
-            total += length
-        else:
-            groups.append([sequence])
-            total = length
-    return groups
+    state: DecodeBatch
+    rows: list[Sequence]
+    # The next input token of every row ([B], lazy) while membership is unchanged.
+    tokens: mx.array | None = None
 
 
 class Runner:
     def __init__(self, adapter: ModelAdapter, prefix_cache: PrefixCache | None) -> None:
         self.adapter = adapter
         self.prefix_cache = prefix_cache
+        self.batches: list[_Batch] = []
+        self._batch_of: dict[str, _Batch] = {}
 
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
         emitted: dict[str, list[int]] = {}
-        if plan.kind == "decode" and len(sequences) > 1:
-            return self._decode_many(sequences)
+        if plan.kind == "decode":
+            emitted = self._decode_all(sequences)
         for sequence in sequences:
             if plan.kind == "prefill":
                 self._prefill(sequence, plan.num_tokens)
-            elif plan.kind == "decode":
-                emitted[sequence.request_id] = self._decode(sequence)
-            else:
+            elif plan.kind == "speculate":
                 emitted[sequence.request_id] = self._speculate(sequence, plan.num_tokens)
+        for sequence in sequences:
+            sequence.transcript.extend(emitted.get(sequence.request_id, ()))
         return emitted
+
+    @property
+    def batched(self) -> int:
+        """Requests decoding inside a batch now."""
+        return len(self._batch_of)
 
     def attach_state(self, sequence: Sequence) -> None:
         """Give a starting request its model state: a prefix-cache hit or a fresh one."""
@@ -76,6 +73,27 @@ class Runner:
             sequence.cached_tokens = sequence.prefilled
         else:
             sequence.state = self.adapter.new_state(max_rollback=sequence.depth)
+
+    def settle(self) -> None:
+        """Take finished (or cancelled) requests out of their batches, between steps.
+
+        A request that finished normally leaves its final state to the prefix cache
+        (the prompt and every token it generated): the next turn of a conversation,
+        whose prompt extends this one's with the answer, starts from it.
+        """
+        for batch in list(self.batches):
+            gone = [i for i, s in enumerate(batch.rows) if s.phase is Phase.FINISHED]
+            if gone:
+                self._remove(batch, gone, finished=True)
+
+    def release(self, sequence: Sequence) -> None:
+        """A request outside any batch finished: keep its final state for reuse."""
+        if sequence.request_id in self._batch_of or sequence.state is None:
+            return  # batched rows leave in ``settle``
+        if self.prefix_cache is not None and sequence.finish_reason in _REUSABLE:
+            self._keep_final(sequence, sequence.state)
+
+    # -- prefill -------------------------------------------------------------
 
     def _prefill(self, sequence: Sequence, count: int) -> None:
         assert sequence.state is not None
@@ -92,7 +110,10 @@ class Runner:
         sequence.phase = Phase.DECODE
         return self.adapter.step(sequence.state, mx.array(sequence.prompt[-1:]))
 
+    # -- decode ----------------------------------------------------------------
+
     def _decode(self, sequence: Sequence) -> list[int]:
+        """One request's own decode step (its first token, or no batch fits it)."""
         params = sequence.request.sampling
         if sequence.pending is None:
             sequence.pending = sample(self._first_logits(sequence), params, sequence.keys.next())
@@ -111,52 +132,154 @@ class Runner:
             sequence.pending = None
         return [token_id(current)]
 
-    def _decode_many(self, sequences: list[Sequence]) -> dict[str, list[int]]:
-        """Batch the sequences in steady decoding; the others take their own step."""
-        steady = [s for s in sequences if s.pending is not None and s.depth == 0 and s.budget > 1]
-        can_batch = getattr(self.adapter, "can_batch", None)
-        if can_batch is None or not can_batch([s.state for s in steady]):
-            steady = []
-        batched = {id(s) for s in steady}
-        emitted = {s.request_id: self._decode(s) for s in sequences if id(s) not in batched}
-        for group in length_groups(steady):
-            if len(group) == 1:
-                emitted[group[0].request_id] = self._decode(group[0])
+    def _decode_all(self, sequences: list[Sequence]) -> dict[str, list[int]]:
+        """Requests in steady decoding join a batch and every batch takes one step."""
+        emitted: dict[str, list[int]] = {}
+        named = {s.request_id for s in sequences}
+        for batch in list(self.batches):
+            stray = [i for i, s in enumerate(batch.rows) if s.request_id not in named]
+            if stray and len(stray) < len(batch.rows):
+                # Rows this step does not decode must not advance: they go on alone.
+                self._remove(batch, stray, finished=False)
+        for sequence in sequences:
+            if sequence.request_id in self._batch_of:
                 continue
-            try:
-                emitted.update(self._decode_batch(group))
-            except Exception:
-                # An error while building the batched step (the caches are replaced
-                # only once the forward is built): one by one, a failure stays with
-                # the request that causes it. A later, lazy failure fails the plan.
-                log.exception("batched decode of %d requests failed; one by one", len(group))
-                emitted.update({s.request_id: self._decode(s) for s in group})
+            if self._ready(sequence) and self._enter(sequence):
+                continue
+            if sequence.depth > 0 and sequence.generated:
+                emitted[sequence.request_id] = self._speculate(sequence, sequence.depth)
+            else:
+                emitted[sequence.request_id] = self._decode(sequence)
+        stepping = [b for b in self.batches if any(s.request_id in named for s in b.rows)]
+        for batch in stepping:
+            self._step(batch, emitted)
         return emitted
 
-    def _decode_batch(self, group: list[Sequence]) -> dict[str, list[int]]:
-        current = [s.pending for s in group]
-        tokens = mx.concatenate([token.reshape(1) for token in current if token is not None])
-        assert tokens.shape[0] == len(group)
-        logits = self.adapter.step_batch([s.state for s in group], tokens)  # type: ignore[attr-defined]
-        for index, sequence in enumerate(group):
-            params = sequence.request.sampling
-            sequence.pending = sample(logits[index], params, sequence.keys.next())
-        mx.async_eval([s.pending for s in group])  # type: ignore[no-untyped-call]
-        emitted = {}
-        for sequence, token in zip(group, current, strict=True):
-            assert token is not None
-            emitted[sequence.request_id] = [token_id(token)]
-        return emitted
+    @staticmethod
+    def _ready(sequence: Sequence) -> bool:
+        """Past its first token, with its next input known: it may decode in a batch."""
+        if sequence.state is None or sequence.phase is not Phase.DECODE:
+            return False
+        if sequence.depth == 0:
+            return sequence.pending is not None and sequence.budget > 1
+        return sequence.pending is not None or bool(sequence.generated)
+
+    def _enter(self, sequence: Sequence) -> bool:
+        """Put the sequence in a batch that fits it, or a new one; False if none can."""
+        state = sequence.state
+        assert state is not None
+        try:
+            for batch in self.batches:
+                if can_join(batch.state, state) and batch.state.fits(state):
+                    self._materialize(batch)
+                    batch.state.join([state])
+                    break
+            else:
+                created = new_batch(self.adapter, [state])
+                if created is None:
+                    return False
+                batch = _Batch(created, [])
+                self.batches.append(batch)
+        except Exception:
+            # The sequence decodes on its own; a failure stays with the request causing it.
+            log.exception("request %s cannot join a decode batch", sequence.request_id)
+            return False
+        batch.rows.append(sequence)
+        self._batch_of[sequence.request_id] = batch
+        # The batch holds the row now; the single-sequence state is not kept twice.
+        sequence.state = None
+        return True
+
+    def _step(self, batch: _Batch, emitted: dict[str, list[int]]) -> None:
+        rows = batch.rows
+        emits: list[bool] | None = None
+        if batch.tokens is None:
+            # Rows that joined with their next token sampled emit it now; speculative
+            # rows joined with their last emitted token, not yet in their caches.
+            emits = [s.pending is not None for s in rows]
+            inputs = mx.concatenate(
+                [
+                    s.pending.reshape(1).astype(mx.int32)
+                    if s.pending is not None
+                    else mx.array(s.generated[-1:], dtype=mx.int32)
+                    for s in rows
+                ]
+            )
+            for sequence in rows:
+                sequence.pending = None
+        else:
+            inputs = batch.tokens
+        logits = batch.state.step(inputs)
+        following = self._sample(rows, logits).astype(mx.int32)
+        mx.async_eval(following, batch.state.side_effects())  # type: ignore[no-untyped-call]
+        values = inputs.tolist()
+        assert isinstance(values, list)
+        for index, sequence in enumerate(rows):
+            if emits is None or emits[index]:
+                emitted[sequence.request_id] = [int(values[index])]  # type: ignore[arg-type]
+        batch.tokens = following
+
+    @staticmethod
+    def _sample(rows: list[Sequence], logits: mx.array) -> mx.array:
+        if all(s.request.sampling.greedy for s in rows):
+            return mx.argmax(logits, axis=-1)
+        return mx.stack(
+            [sample(logits[i], s.request.sampling, s.keys.next()) for i, s in enumerate(rows)]
+        )
+
+    def _materialize(self, batch: _Batch) -> None:
+        """Give each row its own next token back, before the membership changes."""
+        if batch.tokens is not None:
+            for index, sequence in enumerate(batch.rows):
+                sequence.pending = batch.tokens[index]
+            batch.tokens = None
+
+    def _remove(self, batch: _Batch, indices: list[int], finished: bool) -> None:
+        """Rows leave: finished ones to the prefix cache, others with their own state."""
+        self._materialize(batch)
+        for index in indices:
+            sequence = batch.rows[index]
+            del self._batch_of[sequence.request_id]
+            if not finished:
+                sequence.state = batch.state.row_state(index)
+            elif self.prefix_cache is not None and sequence.finish_reason in _REUSABLE:
+                self._keep_final(sequence, batch.state.row_state(index))
+        keep = [i for i in range(len(batch.rows)) if i not in set(indices)]
+        if keep:
+            batch.state.keep(keep)
+            batch.rows = [batch.rows[i] for i in keep]
+        else:
+            self.batches.remove(batch)
+
+    def _keep_final(self, sequence: Sequence, state: ModelState) -> None:
+        assert self.prefix_cache is not None
+        tokens = (*sequence.prompt, *sequence.transcript)[: state.offset]
+        if len(tokens) == state.offset and len(tokens) > sequence.prefilled:
+            self.prefix_cache.store(tokens, state, owned=True)
+
+    # -- speculate -------------------------------------------------------------
 
     def _speculate(self, sequence: Sequence, depth: int) -> list[int]:
-        assert sequence.state is not None and sequence.generated
-        depth = min(depth, sequence.budget - 1)
+        batch = self._batch_of.get(sequence.request_id)
+        if batch is not None:  # alone again: it leaves its batch
+            self._remove(batch, [batch.rows.index(sequence)], finished=False)
+        assert sequence.state is not None and (sequence.generated or sequence.pending)
+        emitted: list[int] = []
+        if sequence.pending is not None:
+            # From a batch: its sampled token is emitted now and drafted from.
+            emitted.append(token_id(sequence.pending))
+            sequence.pending = None
+        last = emitted[-1] if emitted else sequence.generated[-1]
+        depth = min(depth, sequence.budget - 1 - len(emitted))
         drafter = getattr(self.adapter, "speculate", None)
         if depth <= 0 or drafter is None:
-            logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
-            return [token_id(sample(logits, sequence.request.sampling, sequence.keys.next()))]
+            if sequence.budget - len(emitted) <= 0:
+                return emitted
+            logits = self.adapter.step(sequence.state, mx.array([last]))
+            token = sample(logits, sequence.request.sampling, sequence.keys.next())
+            return [*emitted, token_id(token)]
         tokens, drafted, accepted = drafter(
-            sequence.state, sequence.generated[-1], depth, sequence.request.sampling, sequence.keys
+            sequence.state, last, depth, sequence.request.sampling, sequence.keys
         )
         sequence.stats.record(drafted, accepted)
-        return list(tokens)
+        return [*emitted, *tokens]

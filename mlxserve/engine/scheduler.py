@@ -5,9 +5,12 @@ Requests join and leave only between steps. Running requests are capped by
 chunks, and every chunk is followed by a turn for the decoding requests, so
 their streams keep flowing while a new request prefills.
 
-Plain decoding requests (no drafts) share one decode step: continuous batching.
-Speculative requests verify their own drafts, one request per step, in turn with
-that batch.
+Decoding requests share one decode step: continuous batching (the runner keeps
+the batch across steps). A speculative request verifies its own drafts, one
+request per step, while it decodes alone; once several requests decode, drafting
+one request at a time would cost more than it saves, so every request takes the
+batched step (the speculative depth follows the batch size: its depth at one,
+0 in a batch) and goes back to drafting when it is alone again.
 """
 
 from collections import deque
@@ -70,9 +73,10 @@ class Scheduler:
                 return self._plan("prefill", (sequence.request_id,), chunk)
             # Only the last prompt token is left: the first decode step produces token 1.
             return self._plan("decode", (sequence.request_id,), 1)
-        plain = tuple(s.request_id for s in decoding if s.depth == 0)
+        together = len(decoding) > 1
+        plain = tuple(s.request_id for s in decoding if s.depth == 0 or together)
         turns: list[tuple[str, ...]] = [plain] if plain else []
-        turns += [(s.request_id,) for s in decoding if s.depth > 0]
+        turns += [(s.request_id,) for s in decoding if s.depth > 0 and not together]
         ids = turns[self._decode_turn % len(turns)]
         self._decode_turn += 1
         self._decodes_since_prefill += len(ids)

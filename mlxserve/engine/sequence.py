@@ -28,6 +28,8 @@ class Sequence:
     prefilled: int = 0
     cached_tokens: int = 0
     generated: list[int] = field(default_factory=list)
+    # Every token the runner produced for it, stop token included: what its caches saw.
+    transcript: list[int] = field(default_factory=list)
     # The next token, sampled but not yet emitted (lazy: decode is pipelined).
     pending: mx.array | None = None
     finish_reason: FinishReason | None = None

@@ -198,6 +198,9 @@ class Generations:
         reason = "stop" if text.stopped or finish is None else finish.reason
         completion = len(job.sent)
         self.metrics.prompt_tokens.inc(prepared.prompt_tokens)
+        cached = finish.cached_tokens if finish is not None else 0
+        self.metrics.cached_prompt_tokens.inc(cached)
+        self.metrics.prefilled_prompt_tokens.inc(max(prepared.prompt_tokens - cached, 0))
         self.metrics.completion_tokens.inc(completion)
         self.metrics.duration.observe(time.perf_counter() - arrived)
         speculative = finish.speculative if finish is not None else None
@@ -210,7 +213,7 @@ class Generations:
             finish_reason=reason,
             prompt_tokens=prepared.prompt_tokens,
             completion_tokens=completion,
-            cached_tokens=finish.cached_tokens if finish is not None else 0,
+            cached_tokens=cached,
             speculative=speculative,
             backend=job.backend,
             token_ids=tuple(job.sent),

@@ -23,6 +23,16 @@ class Metrics:
         self.prompt_tokens = Counter(
             "mlxserve_prompt_tokens", "Prompt tokens of completed requests", registry=r
         )
+        self.cached_prompt_tokens = Counter(
+            "mlxserve_prompt_cached_tokens",
+            "Prompt tokens of completed requests reused from the prefix cache",
+            registry=r,
+        )
+        self.prefilled_prompt_tokens = Counter(
+            "mlxserve_prompt_prefilled_tokens",
+            "Prompt tokens of completed requests the model had to prefill (not reused)",
+            registry=r,
+        )
         self.completion_tokens = Counter(
             "mlxserve_completion_tokens", "Tokens generated for clients", registry=r
         )

@@ -1,39 +1,27 @@
 """Continuous batching of plain decoding: one forward for every decoding request.
 
 Requests join the batch when their prompt is done and leave it when they finish or
-are cancelled, between any two steps; every one of them gets exactly the tokens it
+are cancelled, between any two steps; the batch lives across steps (its caches are
+extended and filtered, never rebuilt); every request gets exactly the tokens it
 gets alone (greedy) or with the same seed (sampled).
 """
 
+import itertools
+from typing import Any
+
 import mlx.core as mx
+import pytest
 from mlx.nn.layers.base import Module
+from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import QuantizedKVCache
 
-from mlxserve.engine.adapter import ModelState, PlainAdapter, PlainState
+from mlxserve.engine.adapter import PlainAdapter, PlainState
+from mlxserve.engine.batch import CacheBatch, new_batch
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.request import GenerationRequest, SamplingParams
-from mlxserve.engine.runner import length_groups
-from mlxserve.engine.sampling import KeyStream
-from mlxserve.engine.sequence import Sequence
 from mlxserve.engine.step_plan import StepPlan
 from tests.engine.drive import collect, run
 from tests.engine.test_engine_plain import reference_greedy
-
-
-class CountingAdapter(PlainAdapter):
-    """Records the size of every batched forward."""
-
-    def __init__(self, model: Module, fail: bool = False) -> None:
-        super().__init__(model)
-        self.batches: list[int] = []
-        self.fail = fail
-
-    def step_batch(self, states: list[ModelState], tokens: mx.array) -> mx.array:
-        self.batches.append(len(states))
-        if self.fail:
-            raise RuntimeError("injected batch failure")
-        return super().step_batch(states, tokens)
-
 
 PROMPTS = {
     "a": tuple(range(3, 40)),
@@ -43,42 +31,73 @@ PROMPTS = {
 }
 
 
-def test_step_batch_equals_single_steps(llama_model: Module) -> None:
-    adapter = PlainAdapter(llama_model)
-    singles, batched = [], []
-    for prompt in PROMPTS.values():
-        for states in (singles, batched):
-            state = adapter.new_state(0)
-            adapter.prefill(state, list(prompt[:-1]))
-            states.append(state)
-    last = mx.array([prompt[-1] for prompt in PROMPTS.values()])
-    for _ in range(3):
-        alone = mx.stack([adapter.step(s, last[i : i + 1]) for i, s in enumerate(singles)])
-        together = adapter.step_batch(batched, last)
-        assert mx.allclose(alone, together, atol=1e-4), mx.abs(alone - together).max()
-        last = mx.argmax(alone, axis=-1)
-    # Each sequence got its own cache back, at its own length.
-    for state, prompt in zip(batched, PROMPTS.values(), strict=True):
-        assert isinstance(state, PlainState) and state.offset == len(prompt) + 2
+class BatchSizes:
+    """A ``before_step`` hook recording, per step, the plan and the batches' sizes."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.steps: list[tuple[StepPlan, list[int]]] = []
+
+    def __call__(self, plan: StepPlan) -> None:
+        assert self.engine is not None
+        self.steps.append((plan, [len(b.rows) for b in self.engine.runner.batches]))
+
+    @property
+    def sizes(self) -> list[int]:
+        return [n for _, sizes in self.steps for n in sizes]
+
+
+def engine_with(model: Module, hook: BatchSizes, **config: Any) -> Engine:
+    engine = Engine(PlainAdapter(model), EngineConfig(**config), before_step=hook)
+    hook.engine = engine
+    return engine
 
 
 def test_concurrent_greedy_requests_share_decode_steps(llama_model: Module) -> None:
-    steps: list[StepPlan] = []
-    adapter = CountingAdapter(llama_model)
-    engine = Engine(adapter, EngineConfig(prefill_step=16, max_running=4), before_step=steps.append)
+    hook = BatchSizes()
+    engine = engine_with(llama_model, hook, prefill_step=16, max_running=4)
     prompts = {rid: PROMPTS[rid] for rid in ("a", "b", "d")} | {"e": tuple(range(20, 60))}
     requests = [GenerationRequest(rid, prompt, max_tokens=20) for rid, prompt in prompts.items()]
     results = run(engine, *requests)
     for rid, prompt in prompts.items():
         assert results[rid][0] == reference_greedy(llama_model, prompt, 20), rid
-    assert max(len(s.request_ids) for s in steps if s.kind == "decode") == 4
-    # Real batched forwards happened, with every request in one of them at some step.
-    assert max(adapter.batches) >= 3 and sum(adapter.batches) >= 40
+    assert max(len(plan.request_ids) for plan, _ in hook.steps if plan.kind == "decode") == 4
+    assert max(hook.sizes) == 4
+    assert not engine.runner.batches  # everyone left
 
 
-def test_requests_join_and_leave_the_batch(llama_model: Module) -> None:
-    adapter = CountingAdapter(llama_model)
-    engine = Engine(adapter, EngineConfig(prefill_step=16, max_running=4))
+class Counted:
+    """Counts calls of mlx-lm's batch cache methods that copy the batch."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: dict[str, int] = {"merge": 0, "extend": 0, "filter": 0}
+        for name in self.calls:
+            original = getattr(mlx_cache.BatchKVCache, name)
+            monkeypatch.setattr(mlx_cache.BatchKVCache, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        counted = self
+
+        if name == "merge":
+
+            def merge(cls: Any, caches: Any) -> Any:
+                counted.calls[name] += 1
+                return original.__func__(cls, caches)
+
+            return classmethod(merge)
+
+        def method(self: Any, *args: Any) -> Any:
+            counted.calls[name] += 1
+            return original(self, *args)
+
+        return method
+
+
+def test_the_batch_lives_across_steps(llama_model: Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Joining and leaving copy the batch (merge/extend, filter); a step does not."""
+    counted = Counted(monkeypatch)
+    hook = BatchSizes()
+    engine = engine_with(llama_model, hook, prefill_step=16, max_running=4)
     short = engine.submit(GenerationRequest("short", PROMPTS["c"], max_tokens=12))
     long = engine.submit(GenerationRequest("long", PROMPTS["a"], max_tokens=40))
     for _ in range(8):
@@ -92,7 +111,7 @@ def test_requests_join_and_leave_the_batch(llama_model: Module) -> None:
         gone = engine.scheduler.find("gone")
         if gone is not None and len(gone.generated) >= 4:
             break
-    assert 3 in adapter.batches  # "gone" decoded inside a batch before leaving it
+    assert 3 in hook.sizes  # "gone" decoded inside the batch before leaving it
     engine.cancel("gone")
     for _ in range(500):
         if not engine.run_once():
@@ -104,6 +123,34 @@ def test_requests_join_and_leave_the_batch(llama_model: Module) -> None:
     gone_tokens, gone_finish = collected["gone"]
     assert gone_finish.finish_reason == "cancelled" and len(gone_tokens) >= 4
     assert gone_tokens == reference_greedy(llama_model, cancelled.prompt_ids, len(gone_tokens))
+
+    batched_steps = sum(1 for _, sizes in hook.steps if sizes)
+    # Per layer (2): a merge when a request joins, an extend when it joins a running
+    # batch, a filter when requests leave; never one per step.
+    assert counted.calls["merge"] <= 2 * 4
+    assert counted.calls["extend"] <= 2 * 3
+    assert counted.calls["filter"] <= 2 * 3
+    assert batched_steps >= 40
+
+
+def test_newcomers_prefill_in_chunks_between_decode_steps(llama_model: Module) -> None:
+    hook = BatchSizes()
+    engine = engine_with(llama_model, hook, prefill_step=8, max_running=4)
+    first = engine.submit(GenerationRequest("first", PROMPTS["b"], max_tokens=30))
+    for _ in range(6):
+        engine.run_once()
+    newcomer = GenerationRequest("new", PROMPTS["d"], max_tokens=4)
+    second = engine.submit(newcomer)
+    for _ in range(500):
+        if not engine.run_once():
+            break
+    kinds = [(plan.kind, plan.request_ids) for plan, _ in hook.steps]
+    chunks = [i for i, (kind, ids) in enumerate(kinds) if kind == "prefill" and ids == ("new",)]
+    assert len(chunks) == (len(PROMPTS["d"]) - 1 + 7) // 8  # 74 tokens, 8 per step
+    for a, b in itertools.pairwise(chunks):
+        assert any(kinds[i][0] == "decode" for i in range(a + 1, b)), kinds[a : b + 1]
+    assert collect(first)[0] == reference_greedy(llama_model, PROMPTS["b"], 30)
+    assert collect(second)[0] == reference_greedy(llama_model, PROMPTS["d"], 4)
 
 
 def test_sampled_requests_are_reproducible_in_a_batch(llama_model: Module) -> None:
@@ -121,33 +168,24 @@ def test_sampled_requests_are_reproducible_in_a_batch(llama_model: Module) -> No
     assert crowd == alone
 
 
-def test_caches_without_merge_decode_one_by_one(llama_model: Module) -> None:
+def test_caches_without_batched_form_decode_one_by_one(llama_model: Module) -> None:
     adapter = PlainAdapter(llama_model)
     quantized = PlainState([QuantizedKVCache() for _ in range(2)])
-    assert adapter.can_batch([adapter.new_state(0), adapter.new_state(0)])
-    assert not adapter.can_batch([adapter.new_state(0), quantized])
+    assert isinstance(new_batch(adapter, [adapter.new_state(0), adapter.new_state(0)]), CacheBatch)
+    assert new_batch(adapter, [adapter.new_state(0), quantized]) is None
 
 
-def _sequence(rid: str, offset: int) -> Sequence:
-    state = PlainState([])
-    sequence = Sequence(GenerationRequest(rid, (1, 2), 8), KeyStream(0), depth=0, state=state)
-    sequence.state = type("S", (), {"offset": offset})()  # type: ignore[assignment]
-    return sequence
+def _prefilled(adapter: PlainAdapter, length: int) -> PlainState:
+    state = adapter.new_state(0)
+    adapter.prefill(state, [i % 90 + 1 for i in range(length)])
+    return state
 
 
-def test_length_groups_bound_the_padding() -> None:
-    sequences = [_sequence(str(n), n) for n in (100, 90, 110, 5000, 6, 8)]
-    groups = [[int(s.request_id) for s in group] for group in length_groups(sequences)]
-    assert groups == [[6, 8], [90, 100, 110], [5000]]
-
-
-def test_a_failing_batch_falls_back_to_one_by_one(llama_model: Module) -> None:
-    adapter = CountingAdapter(llama_model, fail=True)
-    engine = Engine(adapter, EngineConfig(prefill_step=16, max_running=4))
-    requests = [GenerationRequest(rid, PROMPTS[rid], max_tokens=10) for rid in ("a", "b")]
-    results = run(engine, *requests)
-    assert adapter.batches  # the batch was tried
-    for request in requests:
-        tokens, finish = results[request.request_id]
-        assert finish.finish_reason == "length"
-        assert tokens == reference_greedy(llama_model, request.prompt_ids, 10)
+def test_a_long_context_does_not_pad_a_batch_of_short_ones(llama_model: Module) -> None:
+    adapter = PlainAdapter(llama_model)
+    batch = new_batch(adapter, [_prefilled(adapter, 100), _prefilled(adapter, 90)])
+    assert batch is not None
+    assert batch.fits(_prefilled(adapter, 120))
+    assert not batch.fits(_prefilled(adapter, 3000))
+    logits = batch.step(mx.array([1, 2]))
+    assert logits.shape == (2, 97)

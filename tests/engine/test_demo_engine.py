@@ -7,7 +7,7 @@ import pytest
 from mlxserve.engine.build import adapter_for, materialize
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.request import GenerationRequest
-from tests.engine.drive import run
+from tests.engine.drive import collect, run
 
 pytestmark = pytest.mark.slow
 
@@ -42,3 +42,38 @@ def test_prefix_reuse_ttft_is_a_small_fraction_of_cold() -> None:
     warm_tokens, finish = run(outputs, GenerationRequest("b", prompt, 24))["b"]
     assert finish.usage.cached_tokens == len(prompt) - 1
     assert warm_tokens == cold_tokens
+
+
+def test_demo_requests_in_a_batch_equal_alone() -> None:
+    """Four demo requests of different lengths, two joining mid-generation: each gets
+    its tokens alone (the batch holds MTP rows; the last one speculates alone again)."""
+    from mlxserve.models import load
+
+    model, tokenizer = load("demo")
+    materialize(model)
+    texts = {
+        "a": "Python reference: the for statement.",
+        "b": "Explain how iteration works in Python, with an example of a generator.",
+        "c": "What does the with statement do?",
+        "d": "The assert statement is a convenient way to insert debugging assertions. " * 3,
+    }
+    prompts = {rid: tuple(tokenizer.encode(text)) for rid, text in texts.items()}
+    budget = {"a": 40, "b": 16, "c": 24, "d": 12}
+    alone = {}
+    for rid, prompt in prompts.items():
+        engine = Engine(adapter_for(model, 3), EngineConfig(speculative_depth=3))
+        alone[rid] = run(engine, GenerationRequest(rid, prompt, budget[rid]))[rid][0]
+
+    engine = Engine(adapter_for(model, 3), EngineConfig(speculative_depth=3, prefill_step=16))
+    streams = [engine.submit(GenerationRequest(r, prompts[r], budget[r])) for r in ("a", "b")]
+    biggest = 0
+    for _ in range(10):
+        engine.run_once()
+    streams += [engine.submit(GenerationRequest(r, prompts[r], budget[r])) for r in ("c", "d")]
+    for _ in range(2000):
+        biggest = max([biggest, *(len(b.rows) for b in engine.runner.batches)])
+        if not engine.run_once():
+            break
+    together = {stream.request_id: collect(stream)[0] for stream in streams}
+    assert together == alone
+    assert biggest >= 3

@@ -23,7 +23,7 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from .cache import LayerCache
+from .cache import LayerCache, RowCaches
 from .compressor import Compressor
 from .config import CSA, SLIDING, ModelArgs
 from .indexer import Indexer, visible_entries
@@ -100,15 +100,38 @@ class Attention(Module):
             states["indexer"] = self.indexer.compressor.make_state()
         return LayerCache(self.sliding_window, states, max_rollback=max_rollback)
 
-    def __call__(self, x: mx.array, cache: LayerCache) -> mx.array:
+    def __call__(self, x: mx.array, cache: LayerCache | RowCaches) -> mx.array:
         batch, length, _ = x.shape
-        start = cache.offset
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).reshape(batch, length, self.num_heads, self.head_dim)
         q = mx.fast.rms_norm(q, None, self.eps).swapaxes(1, 2)  # [B, H, S, D]
-        q = self.rope(q, offset=start)
+        kv = self.norm(self.wkv(x))  # [B, S, D]
+        if isinstance(cache, RowCaches):
+            # Each row at its own position: the cache-dependent core row by row,
+            # the projections before and after it once for the whole batch.
+            assert len(cache.rows) == batch
+            out = mx.concatenate(
+                [
+                    self._attend(
+                        x[i : i + 1], q_residual[i : i + 1], q[i : i + 1], kv[i : i + 1], row
+                    )
+                    for i, row in enumerate(cache.rows)
+                ]
+            )
+        else:
+            out = self._attend(x, q_residual, q, kv, cache)
+        out = out.reshape(batch * length, self.o_groups, 1, -1)
+        out = self.wo_a(out, self._group_ids)
+        return self.wo_b(out.reshape(batch, length, -1))
 
-        kv = self.rope(self.norm(self.wkv(x)), offset=start)  # [B, S, D]
+    def _attend(
+        self, x: mx.array, q_residual: mx.array, q: mx.array, kv: mx.array, cache: LayerCache
+    ) -> mx.array:
+        """Rotate, attend over the window and the compressed entries: [B, S, H, D]."""
+        batch, length, _ = x.shape
+        start = cache.offset
+        q = self.rope(q, offset=start)
+        kv = self.rope(kv, offset=start)
         previous = 0 if cache.window is None else int(cache.window.shape[1])
         previous = min(previous, self.sliding_window - 1)
         keys = cache.update_window(kv)
@@ -122,7 +145,7 @@ class Attention(Module):
             keys, mask = self._add_compressed(x, q_residual, cache, keys, mask)
         cache.advance(length)
 
-        out = mx.fast.scaled_dot_product_attention(
+        attended = mx.fast.scaled_dot_product_attention(
             q,
             keys[:, None],
             keys[:, None],
@@ -130,10 +153,8 @@ class Attention(Module):
             mask=mask[:, None],
             sinks=self.attn_sink.astype(q.dtype),
         )
-        out = self.rope(out, offset=start, inverse=True).swapaxes(1, 2)  # [B, S, H, D]
-        out = out.reshape(batch * length, self.o_groups, 1, -1)
-        out = self.wo_a(out, self._group_ids)
-        return self.wo_b(out.reshape(batch, length, -1))
+        out: mx.array = self.rope(attended, offset=start, inverse=True).swapaxes(1, 2)
+        return out
 
     def _add_compressed(
         self,

@@ -132,10 +132,21 @@ class LayerCache(_BaseCache):
         return self.max_rollback > 0
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` positions (at most the rollback margin); return how many."""
-        n = max(0, min(n, self.offset, self._trimmable()))
-        if n == 0:
+        """Drop the last ``n`` positions exactly and return ``n``.
+
+        Raises ``ValueError`` when fewer than ``n`` can be dropped (beyond the rollback
+        margin, or more than the cache holds): a silent partial trim would leave
+        rejected draft positions in the cache and corrupt every later step. The trim
+        only slices the kept arrays; nothing is copied.
+        """
+        if n <= 0:
             return 0
+        possible = min(self.offset, self._trimmable())
+        if n > possible:
+            raise ValueError(
+                f"cannot trim {n} positions: at most {possible} can be dropped exactly "
+                f"(offset {self.offset}, rollback margin {self.max_rollback})"
+            )
         new_offset = self.offset - n
         if self.window is not None:
             self.window = self.window[:, : self.window.shape[1] - n]
@@ -166,3 +177,27 @@ class LayerCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.state)
+
+    @classmethod
+    def rows(cls, caches: list[LayerCache]) -> RowCaches:
+        """Several sequences' caches of this layer, for one batched forward."""
+        return RowCaches(caches)
+
+
+class RowCaches:
+    """The caches of one layer for a batch of sequences, each at its own offset.
+
+    A DeepSeek-V4 layer's state is per sequence in a way a padded tensor does not fit:
+    compressors close a window every ``ratio`` positions *of that sequence*, and the
+    window, the entries and the indexer's picks all depend on the row's own position.
+    So each row keeps its own ``LayerCache``; the attention runs the cache-dependent
+    part row by row and everything else (projections, MoE, head) once for the batch.
+    Rows join and leave a batch by list operations: no cache is copied.
+    """
+
+    def __init__(self, rows: list[LayerCache]) -> None:
+        self.rows = rows
+
+    @property
+    def offsets(self) -> list[int]:
+        return [row.offset for row in self.rows]

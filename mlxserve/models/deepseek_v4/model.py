@@ -10,25 +10,29 @@ is split so a multi-token-prediction (MTP) head can reuse the trunk:
 MTP weights (``mtp.I.*``) are kept: ``sanitize`` attaches ``MTPBlock`` modules holding
 them (a decoder layer plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and
 ``hc_head``). ``Model.mtp_forward`` / ``make_mtp_cache`` run them (see ``mtp.py``).
+A DSpark draft head in ``mtp.*`` (DeepSeek-V4-Flash-0731) is dropped instead: the
+model then has no MTP blocks and is served without drafting (see ``dspark.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
+from mlx.utils import tree_flatten
 
 from .attention import Attention
-from .cache import LayerCache
+from .cache import LayerCache, RowCaches
 from .config import ModelArgs
+from .dspark import drop_draft_head, has_dspark_head
 from .hyper_connections import HyperConnection, HyperHead, collapse, expand
 from .moe import MoE
 from .mtp import mtp_forward
-from .sanitize import mtp_block_count, sanitize_weights
+from .sanitize import check_weights, mtp_block_count, sanitize_weights
 from .sharding import shard_model
 
 
@@ -46,7 +50,9 @@ class DecoderLayer(Module):
         self.hc_attn = HyperConnection(args)  # type: ignore[arg-type]
         self.hc_ffn = HyperConnection(args)  # type: ignore[arg-type]
 
-    def __call__(self, streams: mx.array, token_ids: mx.array, cache: LayerCache) -> mx.array:
+    def __call__(
+        self, streams: mx.array, token_ids: mx.array, cache: LayerCache | RowCaches
+    ) -> mx.array:
         # V4 computes each block's collapse weights from the streams entering *that* block.
         pre, post, comb = self.hc_attn(streams)
         h = self.attn(self.attn_norm(collapse(streams, pre)), cache)
@@ -73,7 +79,9 @@ class MTPBlock(DecoderLayer):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
 
-    def decode(self, streams: mx.array, token_ids: mx.array, cache: LayerCache) -> mx.array:
+    def decode(
+        self, streams: mx.array, token_ids: mx.array, cache: LayerCache | RowCaches
+    ) -> mx.array:
         """The block's decoder layer on its input streams [B, S, hc, D]."""
         return DecoderLayer.__call__(self, streams, token_ids, cache)
 
@@ -93,7 +101,7 @@ class TextModel(Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
 
-    def streams(self, inputs: mx.array, cache: list[LayerCache]) -> mx.array:
+    def streams(self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches]) -> mx.array:
         h = self.embed_tokens(inputs)
         batch, length, dim = h.shape
         streams = mx.broadcast_to(h[:, :, None, :], (batch, length, self.hc_mult, dim))
@@ -114,10 +122,14 @@ class Model(Module):
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp: list[MTPBlock] = []
 
-    def __call__(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches] | None = None
+    ) -> mx.array:
         return self.head_from_streams(self.forward_hidden(inputs, cache))
 
-    def forward_hidden(self, inputs: mx.array, cache: list[LayerCache] | None = None) -> mx.array:
+    def forward_hidden(
+        self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches] | None = None
+    ) -> mx.array:
         """Residual streams [B, S, hc_mult, D] after the last layer, before ``hc_head``.
 
         Without ``cache`` a throw-away one is used, so the result is the same as a
@@ -155,7 +167,11 @@ class Model(Module):
         return [block.attn.make_cache(max_rollback) for block in self.mtp]
 
     def mtp_forward(
-        self, streams: mx.array, next_tokens: mx.array, cache: LayerCache, block: int = 0
+        self,
+        streams: mx.array,
+        next_tokens: mx.array,
+        cache: LayerCache | RowCaches,
+        block: int = 0,
     ) -> tuple[mx.array, mx.array]:
         """MTP block ``block``: ``(logits for t + 2, out_streams)``; see ``mtp.mtp_forward``."""
         return mtp_forward(self, streams, next_tokens, cache, block)
@@ -166,6 +182,8 @@ class Model(Module):
         MTP tensors are kept; the ``MTPBlock`` modules that receive them are created
         here, because only the checkpoint tells whether it ships them.
         """
+        if has_dspark_head(vars(self.args), weights):
+            weights = drop_draft_head(weights)  # a DSpark head, which MTP cannot run
         clean = sanitize_weights(weights, self.args.o_groups)
         count = mtp_block_count(clean)
         if count and len(self.mtp) != count:
@@ -173,6 +191,21 @@ class Model(Module):
             types = (types + ["sliding_attention"] * count)[:count]
             self.mtp = [MTPBlock(self.args, t) for t in types]
         return clean
+
+    def load_weights(
+        self, file_or_weights: str | list[tuple[str, mx.array]], strict: bool = True
+    ) -> Model:
+        """``Module.load_weights``, with one short line for a checkpoint that does not fit.
+
+        MLX's own strict check lists every missing name at once (thousands for a
+        truncated download); this names the first one, and runs on shapes alone, so
+        it fails before any weight is read.
+        """
+        if strict and not isinstance(file_or_weights, str):
+            params = dict(tree_flatten(self.parameters()))  # type: ignore[no-untyped-call]
+            check_weights(dict(file_or_weights), params)
+        super().load_weights(file_or_weights, strict=strict)
+        return self
 
     def shard(self, group: mx.distributed.Group | None = None) -> None:
         """Tensor parallelism: split heads / output groups and experts' hidden dim."""

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from .cache import LayerCache
+from .cache import LayerCache, RowCaches
 
 if TYPE_CHECKING:
     from .model import Model
@@ -46,7 +46,7 @@ def mtp_forward(
     model: Model,
     streams: mx.array,
     next_tokens: mx.array,
-    cache: LayerCache,
+    cache: LayerCache | RowCaches,
     block: int = 0,
 ) -> tuple[mx.array, mx.array]:
     """Run MTP block ``block`` on streams [B, S, hc, D] and the tokens that follow them.
@@ -64,9 +64,11 @@ def mtp_forward(
     mtp = model.mtp[block]
     length = next_tokens.shape[1]
     embedded = model.model.embed_tokens(next_tokens)
-    if cache.offset == 0:
+    offsets = cache.offsets if isinstance(cache, RowCaches) else [cache.offset]
+    if 0 in offsets:
         # Only the first call of a sequence can contain absolute position 0.
-        first = (mx.arange(length) == 0)[None, :, None]
+        at_zero = mx.array([offset == 0 for offset in offsets])[:, None, None]
+        first = (mx.arange(length) == 0)[None, :, None] & at_zero
         embedded = mx.where(first, mx.zeros_like(embedded), embedded)
     e = mtp.e_proj(mtp.enorm(embedded))
     x = mtp.h_proj(mtp.hnorm(streams)) + e[:, :, None, :].astype(streams.dtype)

@@ -34,7 +34,10 @@ from mlxserve.server.protocol import (
     Usage,
 )
 from mlxserve.server.routes.common import (
+    CLIENT_CLOSED,
+    ClientGone,
     backend_header,
+    collect,
     dump,
     parse_body,
     runtime_of,
@@ -68,10 +71,10 @@ async def chat_completions(request: Request) -> Response:
     deltas = generations.run(prepared)
     answer = _Answer(prompt, runtime.codec)
     if not body.stream:
-        last = Delta("")
-        async for delta in deltas:
-            answer.add(delta)
-            last = delta
+        try:
+            _, last = await collect(deltas, request, answer.add)
+        except ClientGone:  # nobody to answer; the generation was cancelled
+            return Response(status_code=CLIENT_CLOSED)
         completion = ChatCompletion(
             **meta,
             choices=[ChatChoice(message=answer.message(), finish_reason=answer.finish(last))],

@@ -1,0 +1,103 @@
+"""DeepSeek-V4 in a decode batch: every row at its own position, exact as alone.
+
+Each row keeps its own sliding window, compressor (CSA/HCA) and indexer state
+(``RowCaches``); requests of different lengths join and leave mid-generation, so
+rows close compressor windows at different steps. Greedy tokens must equal the
+request run alone, with and without the MTP module (whose requests decode in the
+batch and speculate again when alone).
+"""
+
+from typing import Any
+
+import pytest
+from mlx.nn.layers.base import Module
+
+from mlxserve.engine.adapter import ModelAdapter, PlainAdapter
+from mlxserve.engine.batch import MTPRowBatch, RowBatch
+from mlxserve.engine.engine import Engine, EngineConfig
+from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.engine.request import GenerationRequest
+from mlxserve.engine.step_plan import StepPlan
+from tests.engine.drive import collect, run
+from tests.engine.test_speculative import plain_greedy
+from tests.engine.v4_models import tiny_v4
+
+# Lengths around the window (8) and the compression ratios (4, 16), none aligned.
+PROMPTS = {
+    "long": tuple((7 * i + 3) % 61 for i in range(45)),
+    "short": (5, 9, 2),
+    "mid": tuple((5 * i + 1) % 61 for i in range(19)),
+    "odd": tuple((3 * i + 2) % 61 for i in range(33)),
+}
+BUDGET = {"long": 30, "short": 12, "mid": 22, "odd": 9}
+
+
+@pytest.fixture(scope="module")
+def v4() -> Module:
+    return tiny_v4()
+
+
+@pytest.fixture(scope="module")
+def alone(v4: Module) -> dict[str, list[int]]:
+    return {rid: plain_greedy(v4, prompt, BUDGET[rid]) for rid, prompt in PROMPTS.items()}
+
+
+def staggered(adapter: ModelAdapter, depth: int) -> tuple[dict[str, list[int]], list[Any]]:
+    """Two requests start, two join mid-generation, they leave at different steps."""
+    sizes: list[tuple[StepPlan, list[int]]] = []
+    engine: Engine
+
+    def hook(plan: StepPlan) -> None:
+        sizes.append((plan, [len(b.rows) for b in engine.runner.batches]))
+
+    config = EngineConfig(prefill_step=8, max_running=4, speculative_depth=depth)
+    engine = Engine(adapter, config, before_step=hook)
+    streams = [
+        engine.submit(GenerationRequest(r, PROMPTS[r], BUDGET[r])) for r in ("long", "short")
+    ]
+    for _ in range(12):
+        engine.run_once()
+    streams += [engine.submit(GenerationRequest(r, PROMPTS[r], BUDGET[r])) for r in ("mid", "odd")]
+    for _ in range(1000):
+        if not engine.run_once():
+            break
+    tokens = {}
+    for stream in streams:
+        got, finish = collect(stream)
+        assert finish.finish_reason == "length"
+        tokens[stream.request_id] = got
+    assert not engine.runner.batches
+    return tokens, sizes
+
+
+def test_plain_v4_rows_equal_alone(v4: Module, alone: dict[str, list[int]]) -> None:
+    tokens, sizes = staggered(PlainAdapter(v4), depth=0)
+    assert tokens == alone
+    assert max(n for _, batch in sizes for n in batch) >= 3
+
+
+def test_mtp_rows_decode_together_and_speculate_alone(
+    v4: Module, alone: dict[str, list[int]]
+) -> None:
+    tokens, sizes = staggered(MTPAdapter(v4), depth=3)
+    assert tokens == alone
+    assert max(n for _, batch in sizes for n in batch) >= 3
+    # Alone at the end ("long" outlives the others), it drafts again.
+    assert any(plan.kind == "speculate" for plan, _ in sizes[len(sizes) // 2 :])
+
+
+def test_batch_forms(v4: Module) -> None:
+    plain = run(
+        Engine(PlainAdapter(v4), EngineConfig(max_running=2)),
+        GenerationRequest("x", PROMPTS["mid"], 3),
+    )
+    assert plain["x"][1].finish_reason == "length"
+    from mlxserve.engine.batch import new_batch
+
+    adapter = MTPAdapter(v4)
+    state = adapter.new_state(0)
+    adapter.prefill(state, list(PROMPTS["mid"]))
+    assert isinstance(new_batch(adapter, [state]), MTPRowBatch)
+    plain_adapter = PlainAdapter(v4)
+    plain_state = plain_adapter.new_state(0)
+    assert isinstance(new_batch(plain_adapter, [plain_state]), RowBatch)
