@@ -2,6 +2,7 @@
 """The DSML tool-call parser: whole blocks become calls, anything broken comes back as text."""
 
 import json
+import random
 
 import pytest
 
@@ -112,3 +113,32 @@ def test_parse_block_names_the_problem() -> None:
 def test_whitespace_after_a_block_is_dropped_text_after_it_kept() -> None:
     assert text_of(run(BLOCK + "\n\n", 3)) == ""
     assert text_of(run(BLOCK + "\nDone.", 3)) == "Done."
+
+
+PIECES = [
+    "<｜DSML｜tool_calls>",
+    "</｜DSML｜tool_calls>",
+    '<｜DSML｜invoke name="f">',
+    "</｜DSML｜invoke>",
+    '<｜DSML｜parameter name="a" string="false">',
+    '<｜DSML｜parameter name="b" string="true">',
+    "</｜DSML｜parameter>",
+    "1",
+    "x",
+    " ",
+    "\n",
+    "<",
+    "｜",
+    '"',
+]
+
+
+def test_random_mixtures_never_raise_and_lose_no_text() -> None:
+    """Bounded fuzz: whatever the model writes, the parser answers; without a valid
+    call, the text comes back exactly as written."""
+    rng = random.Random(14)
+    for _ in range(400):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randrange(1, 30)))
+        out = run(text, rng.randrange(1, 12))
+        if not calls_of(out):
+            assert text_of(out) == text

@@ -2,6 +2,7 @@
 """Reasoning split at ``</think>`` and tool calls read from the answer, in any split."""
 
 import json
+import random
 
 import pytest
 
@@ -63,3 +64,27 @@ def test_dsml_inside_reasoning_is_reasoning() -> None:
     pieces = run(output, CALL + "</think>ok", 2)
     assert joined(pieces, Reasoning) == CALL and joined(pieces, Content) == "ok"
     assert output.tool_calls == []
+
+
+def test_random_answers_split_exactly_at_the_first_think_end() -> None:
+    """Bounded fuzz: without a valid call, reasoning + content is the text, cut at the
+    first ``</think>``."""
+    pieces = [
+        "</think>",
+        "</thi",
+        "nk>",
+        "<｜DSML｜tool_calls>",
+        "</｜DSML｜tool_calls>",
+        "a",
+        " ",
+        "\n",
+    ]
+    rng = random.Random(14)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 25)))
+        output = ChatOutput(reasoning_end="</think>", tools=DsmlParser())
+        got = run(output, text, rng.randrange(1, 9))
+        reasoning, _, content = text.partition("</think>")
+        assert joined(got, Reasoning) == reasoning
+        assert joined(got, Content) == content
+        assert output.tool_calls == []

@@ -76,6 +76,8 @@ def parse_block(body: str) -> list[ParsedToolCall]:
             rest = rest[end + len(PARAMETER_END) :]
         fragments.append("}" if fragments else "{}")
         calls.append(ParsedToolCall(name, tuple(fragments)))
+    if not calls:
+        raise MalformedDsml("a tool_calls block without a call")
     return calls
 
 
