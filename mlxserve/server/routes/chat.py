@@ -175,8 +175,8 @@ async def _chunks(
         choice = ChatChunkChoice(delta=delta, finish_reason=finish)
         return dump(ChatCompletionChunk(**meta, choices=[choice]))
 
-    yield chunk(ChatDelta(role="assistant", content=""))
     try:
+        yield chunk(ChatDelta(role="assistant", content=""))
         async for delta in deltas:
             calls_before = len(answer.output.tool_calls)
             for piece_delta in _piece_deltas(answer.add(delta), calls_before):
