@@ -13,6 +13,7 @@ from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from starlette.testclient import TestClient
 
@@ -195,3 +196,28 @@ def test_template_model_refuses_what_it_cannot_honour(client: TestClient) -> Non
         assert response.json()["error"]["param"] == param
     ok = client.post("/v1/chat/completions", json={**base, "thinking": {"type": "disabled"}})
     assert ok.status_code == 200 and "reasoning_content" not in ok.json()["choices"][0]["message"]
+
+
+def test_the_openai_client_reads_the_calls(scripted: tuple[TestClient, ScriptedBackend]) -> None:
+    """The `openai` package parses both shapes (its own types, its stream accumulator)."""
+    client, backend = scripted
+    backend.script = "Why not.</think>" + CALL
+    api = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    response = api.chat.completions.create(
+        model="demo",
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+    )
+    [call] = response.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert response.choices[0].finish_reason == "tool_calls"
+    with api.chat.completions.stream(
+        model="demo",
+        messages=ASK,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+    ) as stream:
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls or []
+    assert streamed.function.name == "get_weather"
+    assert json.loads(streamed.function.arguments) == {"city": "Paris", "days": 2}
+    assert final.choices[0].finish_reason == "tool_calls"
