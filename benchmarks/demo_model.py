@@ -23,8 +23,10 @@ from mlx.utils import tree_map
 
 from mlxserve.models.deepseek_v4 import Model, ModelArgs
 from mlxserve.models.demo.build import build_demo_model
-from mlxserve.models.demo.corpus import split
-from mlxserve.models.demo.evaluate import (
+from mlxserve.models.demo.spec import MODEL_CONFIG
+from mlxserve.models.loader import load
+from training.demo.corpus import split
+from training.demo.evaluate import (
     Acceptance,
     chained_acceptance,
     encode,
@@ -33,8 +35,6 @@ from mlxserve.models.demo.evaluate import (
     heldout_distinct_ngrams,
     prompt_text,
 )
-from mlxserve.models.demo.spec import MODEL_CONFIG
-from mlxserve.models.loader import load
 
 PREFILL_TOKENS = 256
 DECODE_TOKENS = 64

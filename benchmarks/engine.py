@@ -15,11 +15,10 @@ import json
 import statistics
 from typing import Any
 
-import mlx.core as mx
-
 from mlxserve.engine.drive import run_to_completion
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.request import FinishEvent, GenerationRequest
+from mlxserve.hardware.probe import benchmark_device
 
 PROMPT = "Explain how the assert statement works and when it is removed."
 
@@ -100,7 +99,7 @@ def main() -> None:
         "mlx_lm_tok_s": theirs,
         "ratio": ours / theirs,
     }
-    result["device"] = str(mx.default_device())
+    result["device"] = benchmark_device()
     print(json.dumps(result, indent=2))
 
 

@@ -29,7 +29,7 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         "--cluster",
         metavar="CHIPS",
         help="plan for a simulated cluster, e.g. 'Apple M3 Ultra,Apple M5 Max' "
-        "(per rank: CHIP[:macos=V][:mlx=V]; 'cpu' for a Linux CPU rank)",
+        "(per rank: CHIP[:macos=V][:mlx=V]; 'cpu' or 'cuda' for a Linux CPU or NVIDIA rank)",
     )
     parser.add_argument(
         "--backend",
@@ -100,6 +100,74 @@ def _cmd_policy_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_policy_calibrate(args: argparse.Namespace) -> int:
+    from mlxserve.commands.calibrate import run_calibrate
+    from mlxserve.config import load_settings
+
+    settings = load_settings(args.config, _cli_settings(args))
+    return run_calibrate(
+        settings,
+        chunks=args.chunk or (),
+        repeats=args.repeats,
+        budget_s=args.budget,
+        dtype=args.dtype,
+        progress=not args.quiet,
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
+def _add_calibrate(policy_commands: Any) -> None:
+    calibrate = policy_commands.add_parser(
+        "calibrate", help="time the MoE kernel variants on this device; the plan reads it"
+    )
+    calibrate.add_argument("--config", type=Path, help="config file (TOML); see config.toml")
+    calibrate.add_argument("--model", help="model directory or 'demo' (default: from config)")
+    calibrate.add_argument(
+        "--chunk",
+        type=_positive_int,
+        action="append",
+        metavar="TOKENS",
+        help="prefill chunk to measure (repeatable; default: the engine's prefill step)",
+    )
+    calibrate.add_argument(
+        "--repeats", type=_positive_int, default=3, help="timed rounds per shape (default: 3)"
+    )
+    calibrate.add_argument(
+        "--budget",
+        type=_positive_float,
+        default=120.0,
+        metavar="SECONDS",
+        help="larger chunks are left out once this is spent (default: 120)",
+    )
+    calibrate.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "float16", "bfloat16"],
+        default="auto",
+        help="activation dtype (default: the model's)",
+    )
+    calibrate.add_argument("--quiet", action="store_true", help="no progress bar")
+    calibrate.set_defaults(handler=_cmd_policy_calibrate)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxserve.commands.generate import run_generate
     from mlxserve.config import load_settings
@@ -159,7 +227,7 @@ def _add_serve(commands: Any) -> None:
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from mlxserve.commands.demo_model import run_demo_model
 
-    return run_demo_model(args.out, progress=not args.quiet)
+    return run_demo_model(args.out, progress=not args.quiet, deepseek_format=args.deepseek_format)
 
 
 def _add_demo_model(commands: Any) -> None:
@@ -170,6 +238,12 @@ def _add_demo_model(commands: Any) -> None:
         "--out", type=Path, help="target directory (default: the cache, as model = 'demo' uses)"
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument(
+        "--deepseek-format",
+        action="store_true",
+        help="the variant with DeepSeek-V4's special tokens and no chat template "
+        "(prompts from DeepSeek-V4's own encoder)",
+    )
     demo.set_defaults(handler=_cmd_demo_model)
 
 
@@ -182,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("--json", action="store_true", help="print JSON")
     probe.set_defaults(handler=_cmd_probe)
 
-    policy = commands.add_parser("policy", help="inspect the kernel-policy plan")
+    policy = commands.add_parser("policy", help="inspect or calibrate the kernel-policy plan")
     policy_commands = policy.add_subparsers(
         dest="policy_command", metavar="COMMAND", parser_class=_Parser
     )
@@ -191,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(explain)
     explain.add_argument("--json", action="store_true", help="print the plan as JSON")
     explain.set_defaults(handler=_cmd_policy_explain)
+    _add_calibrate(policy_commands)
     _add_generate(commands)
     _add_serve(commands)
     _add_demo_model(commands)

@@ -5,6 +5,8 @@ variables (nested with `__`, e.g. `MLXSERVE_POLICY__NAX_MOE`), CLI flags.
 Every field's description is the documentation of that setting.
 """
 
+import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -93,6 +95,18 @@ class SpeculativeSettings(_Section):
     )
 
 
+class ChatSettings(_Section):
+    """How chat prompts are built when the request does not say."""
+
+    thinking: bool | None = Field(
+        None,
+        description="Thinking mode by default (a request's `thinking` or "
+        "`chat_template_kwargs.thinking` overrides it). Unset: on for DeepSeek-V4's own "
+        "prompt encoder, as in DeepSeek's API; the template's own default otherwise. "
+        "Applies only to models that have a thinking mode.",
+    )
+
+
 class ServerSettings(_Section):
     """The HTTP front: where it listens, who may call it, and how it protects itself."""
 
@@ -156,11 +170,25 @@ class ServerSettings(_Section):
     retry_after_s: int = Field(
         1, ge=1, description="Retry-After (seconds) sent with 429 and 503 answers."
     )
+    state_dir: Path | None = Field(
+        None,
+        description="Directory for what mlxserve learns about this machine (e.g. "
+        "`mlxserve policy calibrate`'s records); default: $MLXSERVE_CACHE_DIR, else "
+        "~/.cache/mlxserve.",
+    )
     engine_env: dict[str, str] = Field(
         default_factory=dict,
         description="Extra environment of the primary engine process. MLXSERVE_FAULT_* "
         "entries (fault injection for tests) apply to its first start only.",
     )
+
+
+def resolved_state_dir(server: ServerSettings) -> Path:
+    """`server.state_dir`, or the default: `$MLXSERVE_CACHE_DIR`, else `~/.cache/mlxserve`."""
+    if server.state_dir is not None:
+        return server.state_dir.expanduser()
+    env = os.environ.get("MLXSERVE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "mlxserve"
 
 
 class FallbackSettings(_Section):
@@ -203,6 +231,7 @@ class Settings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)  # type: ignore[arg-type]
     speculative: SpeculativeSettings = Field(default_factory=SpeculativeSettings)  # type: ignore[arg-type]
     server: ServerSettings = Field(default_factory=ServerSettings)  # type: ignore[arg-type]
+    chat: ChatSettings = Field(default_factory=ChatSettings)  # type: ignore[arg-type]
     fallback: list[FallbackSettings] = Field(
         default_factory=list,
         description="Backends tried in order when the primary engine is not healthy "
@@ -242,12 +271,21 @@ def load_settings(path: Path | None = None, cli: dict[str, Any] | None = None) -
     try:
         return Settings(**(cli or {}))
     except ValidationError as exc:
-        raise UsageError(_describe(exc, path, file_data)) from None
+        raise UsageError(_describe(exc, path, file_data, cli or {})) from None
     except SettingsError as exc:
         # e.g. a list-valued MLXSERVE_* variable that is not JSON
-        raise UsageError(f"environment: {exc} (lists and tables are written as JSON)") from None
+        raise UsageError(_describe_env_error(exc)) from None
     finally:
         _CONFIG_FILE.clear()
+
+
+def _describe_env_error(exc: SettingsError) -> str:
+    """One line naming the variable(s) pydantic-settings could not parse."""
+    match = re.search(r'field "([^"]+)"', str(exc))
+    prefix = f"MLXSERVE_{match.group(1).upper()}" if match else "MLXSERVE_"
+    names = sorted(n for n in os.environ if n.upper().startswith(prefix))
+    where = ", ".join(names) or "environment"
+    return f"{where}: cannot parse the value (lists and tables are written as JSON): {exc}"
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -262,11 +300,13 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise UsageError(f"{path}: cannot read config file: {exc.strerror}") from None
 
 
-def _describe(exc: ValidationError, path: Path | None, file_data: dict[str, Any]) -> str:
+def _describe(
+    exc: ValidationError, path: Path | None, file_data: dict[str, Any], cli: dict[str, Any]
+) -> str:
     error = exc.errors()[0]
     loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
     key = ".".join(loc) or "(top level)"
-    where = str(path) if path is not None and _has_key(file_data, loc) else _env_name(loc)
+    where = _source_of(loc, path, file_data, cli)
     more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
     if error["type"] == "extra_forbidden":
         return f"{where}: unknown key '{key}'{more}"
@@ -282,5 +322,29 @@ def _has_key(data: dict[str, Any], loc: list[str]) -> bool:
     return True
 
 
-def _env_name(loc: list[str]) -> str:
-    return "environment/command line (MLXSERVE_" + "__".join(p.upper() for p in loc) + ")"
+def _source_of(
+    loc: list[str], path: Path | None, file_data: dict[str, Any], cli: dict[str, Any]
+) -> str:
+    """Where the bad value came from, by precedence: command line, a variable, the file.
+
+    Why by precedence: a key may be in the file *and* in a variable; the value
+    that failed is the one that won, and the operator must fix that one.
+    """
+    if _has_key(cli, loc):
+        return "command line"
+    variable = _env_variable(loc)
+    if variable is not None:
+        return variable
+    if path is not None and _has_key(file_data, loc):
+        return str(path)
+    return "MLXSERVE_" + "__".join(p.upper() for p in loc)
+
+
+def _env_variable(loc: list[str]) -> str | None:
+    """The set MLXSERVE_* variable that carries `loc`: the key's own, or a section's (JSON)."""
+    present = {name.upper(): name for name in os.environ}
+    for depth in range(len(loc), 0, -1):
+        name = "MLXSERVE_" + "__".join(p.upper() for p in loc[:depth])
+        if name in present:
+            return present[name]
+    return None

@@ -79,7 +79,27 @@ def test_bad_environment_value_names_the_variable(monkeypatch: pytest.MonkeyPatc
 
 def test_list_variable_that_is_not_json_is_a_usage_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLXSERVE_POLICY__OVERRIDES", "nax_moe=full")
-    with pytest.raises(UsageError, match="written as JSON"):
+    with pytest.raises(UsageError, match=r"^MLXSERVE_POLICY__OVERRIDES: .*written as JSON"):
         load_settings(None)
     monkeypatch.setenv("MLXSERVE_POLICY__OVERRIDES", '["nax_moe=full"]')
     assert load_settings(None).policy.overrides == ["nax_moe=full"]
+
+
+def test_environment_value_that_beats_the_file_is_named_not_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[policy]\nnax_moe = "skip"\n[server]\nport = 8001\n')
+    monkeypatch.setenv("MLXSERVE_POLICY__NAX_MOE", "fast")
+    with pytest.raises(UsageError, match=r"^MLXSERVE_POLICY__NAX_MOE: invalid value for"):
+        load_settings(path)
+    monkeypatch.delenv("MLXSERVE_POLICY__NAX_MOE")
+    monkeypatch.setenv("MLXSERVE_SERVER", '{"port": -1}')
+    with pytest.raises(UsageError, match=r"^MLXSERVE_SERVER: invalid value for 'server.port'"):
+        load_settings(path)
+    monkeypatch.delenv("MLXSERVE_SERVER")
+    path.write_text("[server]\nport = -1\n")
+    with pytest.raises(UsageError, match=rf"^{path}: invalid value for 'server.port'"):
+        load_settings(path)
+    with pytest.raises(UsageError, match=r"^command line: invalid value for 'server.port'"):
+        load_settings(path, {"server": {"port": 70000}})

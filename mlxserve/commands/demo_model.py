@@ -26,13 +26,15 @@ def _check_out_dir(out: Path) -> None:
         raise UsageError(f"cannot use --out {out}: {exc}") from exc
 
 
-def run_demo_model(out: Path | None, progress: bool) -> int:
+def run_demo_model(out: Path | None, progress: bool, deepseek_format: bool = False) -> int:
     from mlxserve.models.demo.build import build_demo_model
+    from mlxserve.models.demo.deepseek_format import build_deepseek_format_demo
 
     if out is not None:
         _check_out_dir(out)
+    build = build_deepseek_format_demo if deepseek_format else build_demo_model
     try:
-        path = build_demo_model(out, progress=progress)
+        path = build(out, progress=progress)
     except OSError as exc:
         raise UsageError(f"cannot write the demo model: {exc}") from exc
     print(path)

@@ -49,6 +49,7 @@ def run_serve(settings: Settings) -> int:
 
         return run_follower(settings)
 
+    check_engines(settings)
     configure_logging()
     console = Console()
     began = time.monotonic()
@@ -65,6 +66,21 @@ def run_serve(settings: Settings) -> int:
     console.say(f"listening on {runtime.url}; starting backends {names}")
     console.say(f"startup so far {time.monotonic() - began:.1f} s; waiting for a healthy backend")
     return asyncio.run(serve(runtime, listener))
+
+
+def check_engines(settings: Settings) -> None:
+    """Every local engine's plan inputs, checked before anything starts (UsageError: exit 2)."""
+    from mlxserve.policy.build import check_plan
+
+    check_plan(settings)
+    for index, entry in enumerate(settings.fallback, start=1):
+        if entry.model is None:
+            continue
+        policy = settings.policy.model_copy(update={"overrides": entry.policy})
+        try:
+            check_plan(settings.model_copy(update={"policy": policy}))
+        except UsageError as exc:
+            raise UsageError(f"fallback '{entry.name or f'fallback{index}'}': {exc}") from None
 
 
 def configure_logging() -> None:
@@ -101,12 +117,22 @@ async def serve(runtime: Runtime, listener: socket.socket) -> int:
         await runtime.start()
         serving = asyncio.create_task(server.serve(sockets=[listener]))
         signalled = asyncio.create_task(server.signalled.wait())
-        await asyncio.wait({serving, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        refused = asyncio.create_task(runtime.supervisor.all_refused.wait())
+        await asyncio.wait({serving, signalled, refused}, return_when=asyncio.FIRST_COMPLETED)
         if serving.done():  # the HTTP server failed by itself
             signalled.cancel()
+            refused.cancel()
             await runtime.stop()
             serving.result()
             return 1
+        if refused.done():  # every engine exited 2: bad settings, nothing to serve with
+            signalled.cancel()
+            await runtime.stop()
+            server.should_exit = True
+            await serving
+            reasons = "; ".join(f"{n}: {r}" for n, r in runtime.supervisor.refused.items())
+            raise UsageError(f"no backend can start ({reasons})")
+        refused.cancel()
         settings = runtime.settings.server
         runtime.console.say(
             f"draining: {runtime.admission.in_flight} request(s) in flight, "

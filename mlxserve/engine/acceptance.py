@@ -9,7 +9,7 @@ distribution p exactly, whatever the drafter proposes.
 
 import mlx.core as mx
 
-from mlxserve.engine.sampling import KeyStream, sample_from
+from mlxserve.engine.sampling import KeyStream, sample_from, token_id
 
 
 def greedy_accept(drafts: list[int], targets: list[int]) -> list[int]:
@@ -24,25 +24,41 @@ def rejection_accept(
     drafts: list[int], draft_probs: mx.array, target_probs: mx.array, keys: KeyStream
 ) -> list[int]:
     """Tokens to emit. `draft_probs` [k, V] (q), `target_probs` [k + 1, V] (p)."""
-    k = len(drafts)
-    index = mx.array(drafts)
-    rows = mx.arange(k)
-    p_draft = target_probs[rows, index] if k else mx.zeros((0,))
-    q_draft = draft_probs[rows, index] if k else mx.zeros((0,))
-    uniforms = mx.random.uniform(shape=(k,), key=keys.next()) if k else mx.zeros((0,))
-    keep = (uniforms * q_draft < p_draft).tolist()
-    assert isinstance(keep, list)
-    accepted = 0
-    while accepted < k and keep[accepted]:
-        accepted += 1
-    if accepted == k:
-        final = sample_from(target_probs[k], keys.next())
+    accepted, final = rejection_decision(
+        mx.array(drafts, dtype=mx.int32), draft_probs, target_probs, keys
+    )
+    mx.eval(accepted, final)
+    count = token_id(accepted)
+    return [*drafts[:count], token_id(final)]
+
+
+def rejection_decision(
+    drafts: mx.array, draft_probs: mx.array, target_probs: mx.array, keys: KeyStream
+) -> tuple[mx.array, mx.array]:
+    """(number of drafts kept, the token drawn after them), both lazy.
+
+    Lazy so a speculative round reads drafts, decision and token back with one host
+    sync. The replacement after a rejection at i comes from normalize(max(p_i - q_i, 0));
+    q gets a zero row at k, so "all kept" draws the bonus token from p_k by the same
+    expression.
+    """
+    k = int(drafts.shape[0])
+    vocab = int(target_probs.shape[-1])
+    if k:
+        rows = mx.arange(k)
+        p_draft = target_probs[rows, drafts]
+        q_draft = draft_probs[rows, drafts]
+        uniforms = mx.random.uniform(shape=(k,), key=keys.next())
+        keep = (uniforms * q_draft < p_draft).astype(mx.int32)
+        accepted = mx.cumprod(keep).sum()
+        padded = mx.concatenate([draft_probs.astype(target_probs.dtype), mx.zeros((1, vocab))])
     else:
-        residual = mx.maximum(target_probs[accepted] - draft_probs[accepted], 0.0)
-        total = residual.sum()
-        # p == q on the support: any token of p is a valid replacement draw.
-        residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), target_probs[accepted])
-        final = sample_from(residual, keys.next())
-    value = final.item()
-    assert isinstance(value, int)
-    return [*drafts[:accepted], value]
+        accepted = mx.array(0, dtype=mx.int32)
+        padded = mx.zeros((1, vocab), dtype=target_probs.dtype)
+    p_row = mx.take(target_probs, accepted, axis=0)
+    q_row = mx.take(padded, accepted, axis=0)
+    residual = mx.maximum(p_row - q_row, 0.0)
+    total = residual.sum()
+    # p == q on the support: any token of p is a valid replacement draw.
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_row)
+    return accepted, sample_from(residual, keys.next())

@@ -122,7 +122,7 @@ class Engine:
         self.before_step = before_step
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        # Follower ranks: the streams of the requests mirrored from rank 0.
+        # Follower ranks: the streams of the mirrored requests still running.
         self.mirrored: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -299,4 +299,5 @@ class Engine:
             "weights_bytes": self._weights_bytes,
             "cache_bytes": cache_bytes,
         }
+        self.mirrored.pop(sequence.request_id, None)  # a follower keeps nothing finished
         stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error, memory))

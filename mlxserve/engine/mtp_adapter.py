@@ -1,44 +1,74 @@
 """DeepSeek-V4 with its MTP drafter: prefill, plain steps and speculative rounds.
 
 State invariant, after the main model has processed tokens x_0 .. x_{n-1}:
-the main cache holds n positions; the MTP cache holds positions 0 .. n-2,
-each built from the main model's streams h_p and the true next token
-x_{p+1}; `carry` is h_{n-1}, waiting for x_n.
+the main cache holds n positions; MTP block 0's cache holds positions 0 .. m-1
+(m < n), each built from the main model's streams h_p and the true next token
+x_{p+1}; `carry` holds the streams h_m .. h_{n-1} whose MTP entries are still to
+be made, and `carry_tokens` their known successors x_{m+1} .. x_{n-1} (the last
+one, x_n, is the token the next step feeds).
 
-A speculative round with x_n known and depth k:
-1. draft: the MTP block on (h_{n-1}, x_n) gives d_1 (this MTP entry is exact);
-   on its own output streams and d_{j-1} it gives d_j (these entries are guesses);
-2. verify: one main forward of [x_n, d_1 .. d_k] gives the main model's
-   choice after every prefix and the streams h_n .. h_{n+k};
-3. accept a drafts (greedy match or rejection sampling) plus one token;
-4. roll back: the main cache drops the k - a rejected positions, the MTP cache
-   its k - 1 guessed entries; the a accepted positions get exact MTP entries
-   from h_n .. h_{n+a-1}; carry becomes h_{n+a}.
-The draft chain and the verify forward are one lazy graph: a round costs one
-evaluation plus the acceptance read-back.
+A speculative round with x_n known and depth k (as vLLM's and SGLang's MTP run it):
+1. draft: MTP block 0 on (carry, carry_tokens + [x_n]) in ONE forward: it makes the
+   exact MTP entries of the positions accepted last round and gives d_1 from the
+   last row; on its own output streams and d_{j-1} it gives d_j (guessed entries);
+2. verify: one main forward of [x_n, d_1 .. d_k] gives the main model's choice
+   after every prefix and the streams h_n .. h_{n+k};
+3. accept a drafts (greedy match or rejection sampling) plus one token; drafts,
+   decision and the caches are evaluated together: the round's one host sync;
+4. roll back by trimming (slices, nothing copied): the main cache drops the k - a
+   rejected positions, the MTP caches their guessed entries; carry becomes
+   h_n .. h_{n+a}, waiting for the next round's first draft.
+A round therefore costs one verify forward plus k draft forwards (the first one
+a few rows wide) and one sync.
 """
 
 import copy
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.acceptance import greedy_accept, rejection_accept
+from mlxserve.engine.acceptance import greedy_accept, rejection_decision
 from mlxserve.engine.request import SamplingParams
-from mlxserve.engine.sampling import KeyStream, probabilities, sample
+from mlxserve.engine.sampling import KeyStream, probabilities, sample, token_id
 
 MAX_DRAFT_DEPTH = 5
+
+#: Plain steps let the carry grow; past this many rows it is folded into the MTP cache.
+MAX_CARRY = 64
 
 
 class MTPState:
     def __init__(self, cache: list[Any], mtp_cache: list[Any]) -> None:
         self.cache = cache
         self.mtp_cache = mtp_cache
-        self.carry: mx.array | None = None  # [1, 1, hc, D]
+        self.carry: mx.array | None = None  # [1, c, hc, D]
+        self.carry_tokens: list[mx.array] = []  # c - 1 tokens in all, each [j]
 
     @property
     def offset(self) -> int:
         return int(self.cache[0].offset)
+
+
+@dataclass
+class RoundCosts:
+    """Seconds of one decode step and of the pieces of a speculative round."""
+
+    plain: float
+    verify: dict[int, float] = field(default_factory=dict)  # k -> forward of k + 1 tokens
+    draft: float = 0.0
+
+    def round(self, depth: int) -> float:
+        """Expected seconds of a round at ``depth`` (0: one plain step)."""
+        if depth <= 0:
+            return self.plain
+        return self.verify.get(depth, self.plain) + depth * self.draft
+
+
+def _trim(cache: Any, n: int) -> None:
+    if n and cache.trim(n) != n:
+        raise RuntimeError(f"cache trimmed fewer than the {n} positions asked")
 
 
 class MTPAdapter:
@@ -54,91 +84,169 @@ class MTPAdapter:
             self.model.make_mtp_cache(max_rollback=max_rollback),
         )
 
-    def _extend(self, state: MTPState, tokens: mx.array) -> mx.array:
-        """Main forward of `tokens` [n]; MTP entries for every position whose successor is known."""
-        streams = self.model.forward_hidden(tokens[None], state.cache)
-        history = streams[:, :-1]
-        if state.carry is not None:
-            history = mx.concatenate([state.carry, history], axis=1)
-            successors = tokens
+    def _carry(self, state: MTPState, streams: mx.array, tokens: mx.array) -> None:
+        """Main streams [1, n, hc, D] of `tokens` [n] join the carry."""
+        tokens = tokens.astype(mx.int32)
+        if state.carry is None:
+            state.carry = streams
+            state.carry_tokens = [tokens[1:]] if tokens.size > 1 else []
         else:
-            successors = tokens[1:]
-        if successors.size > 0:
-            # Only the MTP cache matters here; it is evaluated with the next read of it.
-            self.model.mtp_forward(history, successors[None], state.mtp_cache[0], 0)
-        state.carry = streams[:, -1:]
-        out: mx.array = streams
-        return out
+            state.carry = mx.concatenate([state.carry, streams], axis=1)
+            state.carry_tokens.append(tokens)
+
+    def _fold(self, state: MTPState, keep: int) -> None:
+        """Make the MTP entries of all carry rows but the last `keep` (lazily)."""
+        assert state.carry is not None
+        rows = int(state.carry.shape[1]) - keep
+        if rows <= 0:
+            return
+        successors = mx.concatenate(state.carry_tokens)
+        if self.model.num_mtp_blocks > 0:
+            self.model.mtp_forward(
+                state.carry[:, :rows], successors[None, :rows], state.mtp_cache[0], 0
+            )
+        state.carry = state.carry[:, rows:]
+        state.carry_tokens = [successors[rows:]] if keep > 1 else []
 
     def prefill(self, state: Any, tokens: list[int]) -> None:
         assert isinstance(state, MTPState)
-        self._extend(state, mx.array(tokens))
+        array = mx.array(tokens)
+        self._carry(state, self.model.forward_hidden(array[None], state.cache), array)
+        self._fold(state, keep=1)
         mx.eval(state.carry, [c.state for c in state.cache], [c.state for c in state.mtp_cache])
 
     def step(self, state: Any, tokens: mx.array) -> mx.array:
+        """A plain step: the main model only; the MTP entries wait in the carry."""
         assert isinstance(state, MTPState)
-        streams = self._extend(state, tokens)
+        streams = self.model.forward_hidden(tokens[None], state.cache)
+        self._carry(state, streams, tokens)
+        assert state.carry is not None
+        if state.carry.shape[1] > MAX_CARRY:
+            self._fold(state, keep=1)
+            mx.async_eval([c.state for c in state.mtp_cache])  # type: ignore[no-untyped-call]
         logits: mx.array = self.model.head_from_streams(streams[:, -1:])
         return logits[0, -1]
 
-    def speculate(
-        self, state: Any, last_token: int, depth: int, params: SamplingParams, keys: KeyStream
-    ) -> tuple[list[int], int, int]:
-        """One draft + verify round; returns (tokens to emit, drafted, accepted)."""
-        assert isinstance(state, MTPState) and state.carry is not None
+    def propose(
+        self, level: int, logits: mx.array, params: SamplingParams, key: mx.array
+    ) -> mx.array:
+        """The draft at `level` (0-based) from the MTP logits, lazily. Benchmarks override
+        it with oracle drafts of a set acceptance (`benchmarks/mtp_cost.py`)."""
+        return sample(logits, params, key)
+
+    def _draft(
+        self, state: MTPState, last_token: int, depth: int, params: SamplingParams, keys: KeyStream
+    ) -> tuple[list[mx.array], list[mx.array], list[int]]:
+        """Lazy drafts and their logits; the first forward also folds the carry in."""
+        assert state.carry is not None
         blocks = self.model.num_mtp_blocks
+        token = mx.array([last_token])
+        successors = mx.concatenate([*state.carry_tokens, token])[None]
         streams = state.carry
-        token = mx.array([[last_token]])
         drafts: list[mx.array] = []
         draft_logits: list[mx.array] = []
         used = [0] * blocks
         for level in range(depth):
             block = min(level, blocks - 1)
-            logits, streams = self.model.mtp_forward(streams, token, state.mtp_cache[block], block)
-            used[block] += 1
-            token = sample(logits[:, -1], params, keys.next()).reshape(1, 1)
-            drafts.append(token.reshape(()))
-            draft_logits.append(logits[0, -1])
-        verify_tokens = mx.concatenate([mx.array([last_token]), mx.stack(drafts)])
+            logits, out = self.model.mtp_forward(streams, successors, state.mtp_cache[block], block)
+            used[block] += streams.shape[1]
+            last = logits[0, -1]
+            successors = self.propose(level, last, params, keys.next()).reshape(1, 1)
+            streams = out[:, -1:]
+            drafts.append(successors.reshape(()))
+            draft_logits.append(last)
+        return drafts, draft_logits, used
+
+    def speculate(
+        self, state: Any, last_token: int, depth: int, params: SamplingParams, keys: KeyStream
+    ) -> tuple[list[int], int, int]:
+        """One draft + verify round; returns (tokens to emit, drafted, accepted)."""
+        assert isinstance(state, MTPState) and state.carry is not None and depth >= 1
+        carried = int(state.carry.shape[1])
+        drafts, draft_logits, used = self._draft(state, last_token, depth, params, keys)
+        draft_ids = mx.stack(drafts)
+        verify_tokens = mx.concatenate([mx.array([last_token]), draft_ids.astype(mx.int32)])
         main_streams = self.model.forward_hidden(verify_tokens[None], state.cache)
         main_logits = self.model.head_from_streams(main_streams)[0]
-        draft_ids = mx.stack(drafts)
+        caches = [c.state for c in (*state.cache, *state.mtp_cache)]
         if params.greedy:
             targets = mx.argmax(main_logits, axis=-1)
-            mx.eval(draft_ids, targets, main_streams)
+            mx.eval(draft_ids, targets, main_streams, caches)
             emitted = greedy_accept(_ints(draft_ids), _ints(targets))
         else:
             q = probabilities(mx.stack(draft_logits), params)
             p = probabilities(main_logits, params)
-            mx.eval(draft_ids, q, p, main_streams)
-            emitted = rejection_accept(_ints(draft_ids), q, p, keys)
+            count, final = rejection_decision(draft_ids, q, p, keys)
+            mx.eval(draft_ids, count, final, main_streams, caches)
+            kept = token_id(count)
+            emitted = [*_ints(draft_ids)[:kept], token_id(final)]
         accepted = len(emitted) - 1
-        self._rollback(state, depth, accepted, used, main_streams, emitted)
+        _rollback(state, depth, accepted, carried, used)
+        state.carry = main_streams[:, : accepted + 1]
+        state.carry_tokens = [mx.array(emitted[:accepted])] if accepted else []
         return emitted, depth, accepted
 
-    def _rollback(
-        self,
-        state: MTPState,
-        depth: int,
-        accepted: int,
-        used: list[int],
-        main_streams: mx.array,
-        emitted: list[int],
-    ) -> None:
-        for cache in state.cache:
-            cache.trim(depth - accepted)
-        # Block 0's first entry (h_{n-1}, x_n) is exact; every other draft entry was a guess.
-        for block, count in enumerate(used):
-            guessed = count - 1 if block == 0 else count
-            if guessed:
-                for_block = state.mtp_cache[block]
-                for_block.trim(guessed)
-        if accepted:
-            history = main_streams[:, :accepted]
-            successors = mx.array(emitted[:accepted])[None]
-            self.model.mtp_forward(history, successors, state.mtp_cache[0], 0)
-        state.carry = main_streams[:, accepted : accepted + 1]
-        mx.eval(state.carry, [c.state for c in state.cache], [c.state for c in state.mtp_cache])
+    def measure_costs(self, repeats: int = 8, context: int = 32) -> RoundCosts:
+        """Seconds of a plain step, of verify(k) for every k and of one draft forward, on
+        a throw-away state of `context` tokens, each timed as the engine runs it: plain
+        steps pipelined (the next queued before the last is read), a verify forward
+        with the round's sync, a draft as one link of a synced chain of drafts."""
+        depth = self.max_draft_depth
+        state = self.new_state(max_rollback=max(repeats, depth) + 1)
+        self.prefill(state, [(7 * i + 3) % 50 for i in range(context)])
+        token = mx.array([1], mx.int32)
+        self.step(state, token)
+        mx.eval(state.carry, [c.state for c in state.cache])
+
+        def median(run: Any, trials: int) -> float:
+            run()  # warm-up: kernels compiled, buffers allocated
+            times = sorted(run() for _ in range(trials))
+            return float(times[len(times) // 2])
+
+        def plain() -> float:
+            start = time.perf_counter()
+            current = token
+            for _ in range(repeats):
+                current = mx.argmax(self.step(state, current)).reshape(1)
+                mx.async_eval(current)  # type: ignore[no-untyped-call]
+            mx.eval(current, [c.state for c in state.cache])
+            elapsed = time.perf_counter() - start
+            _trim_state(state, repeats)
+            return elapsed / repeats
+
+        costs = RoundCosts(plain=median(plain, 3))
+        for k in range(1, depth + 1):
+
+            def verify(k: int = k) -> float:
+                start = time.perf_counter()
+                streams = self.model.forward_hidden(mx.ones((1, k + 1), mx.int32), state.cache)
+                logits = self.model.head_from_streams(streams)
+                mx.eval(mx.argmax(logits, axis=-1), streams, [c.state for c in state.cache])
+                elapsed = time.perf_counter() - start
+                for cache in state.cache:
+                    _trim(cache, k + 1)
+                return elapsed
+
+            costs.verify[k] = median(verify, repeats)
+        if self.model.num_mtp_blocks and depth:
+            carry = state.carry
+            assert carry is not None
+
+            def draft() -> float:
+                start = time.perf_counter()
+                streams, current = carry[:, -1:], token[None]
+                for _ in range(depth):
+                    logits, streams = self.model.mtp_forward(
+                        streams, current, state.mtp_cache[0], 0
+                    )
+                    current = mx.argmax(logits[:, -1:], axis=-1)
+                mx.eval(current, state.mtp_cache[0].state)
+                elapsed = time.perf_counter() - start
+                _trim(state.mtp_cache[0], depth)
+                return elapsed / depth
+
+            costs.draft = median(draft, 3)
+        return costs
 
     def snapshot(self, state: Any) -> MTPState:
         assert isinstance(state, MTPState)
@@ -147,6 +255,24 @@ class MTPAdapter:
     def nbytes(self, state: Any) -> int:
         assert isinstance(state, MTPState)
         return sum(int(getattr(c, "nbytes", 0)) for c in (*state.cache, *state.mtp_cache))
+
+
+def _rollback(state: MTPState, depth: int, accepted: int, carried: int, used: list[int]) -> None:
+    """Trim what the round guessed wrong: slices only, nothing is copied or computed."""
+    for cache in state.cache:
+        _trim(cache, depth - accepted)
+    # Block 0's first `carried` rows are exact (the carry); every other draft row was a guess.
+    for block, rows in enumerate(used):
+        _trim(state.mtp_cache[block], rows - carried if block == 0 else rows)
+
+
+def _trim_state(state: MTPState, n: int) -> None:
+    """Undo the last `n` plain steps (calibration only)."""
+    for cache in state.cache:
+        _trim(cache, n)
+    assert state.carry is not None
+    state.carry = state.carry[:, :-n]
+    state.carry_tokens = state.carry_tokens[:-n]
 
 
 def _ints(values: mx.array) -> list[int]:

@@ -76,3 +76,36 @@ def _physical_memory() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def usable_memory_bytes() -> int:
+    """Memory this process can fill with weights; 0 when unknown.
+
+    On Metal that is the GPU's recommended working set (about three quarters of a Mac's
+    unified memory unless raised with ``iogpu.wired_limit_mb``), elsewhere the device's
+    or the machine's memory. Imports MLX, so call it only when needed.
+    """
+    import mlx.core as mx
+
+    info = mx.device_info()
+    limit = info.get("max_recommended_working_set_size") or info.get("memory_size")
+    return int(limit or _physical_memory())
+
+
+def benchmark_device() -> dict[str, str]:
+    """What a benchmark's JSON records about where it ran, so figures from a CPU, a Mac
+    and an NVIDIA GPU are never mixed up (and whether a faster BLAS was preloaded)."""
+    import mlx.core as mx
+
+    info = {str(k): v for k, v in mx.device_info().items()}
+    return {
+        "device": str(mx.default_device()),
+        "device_type": _device_type(mx),
+        "device_name": str(info.get("device_name") or info.get("architecture") or ""),
+        "chip": _chip_name(platform.system() == "Darwin"),
+        "mlx": package_version("mlx"),
+        "mlx_lm": package_version("mlx-lm"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+    }

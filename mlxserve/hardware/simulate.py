@@ -8,6 +8,8 @@ from mlxserve.hardware.profile import NAX_MIN_MACOS, RankProfile
 
 # A chip name that means "a Linux machine running MLX on its CPU".
 CPU_CHIP = "cpu"
+# A chip name that means "a Linux machine running MLX on an NVIDIA GPU" (mlx[cuda]).
+CUDA_CHIP = "cuda"
 
 
 class SimulatedRank(BaseModel):
@@ -58,6 +60,22 @@ def simulated_profile(
             mlx_version=spec.mlx or local_mlx,
             mlx_lm_version=local_mlx_lm,
             memory_bytes=64 << 30,
+            mlx_nax_build=False,
+            simulated=True,
+        )
+    if spec.chip.strip().lower() == CUDA_CHIP:
+        if spec.macos is not None:
+            raise UsageError(f"simulated rank {rank}: a cuda rank runs Linux, not macOS")
+        return RankProfile(
+            hostname=f"sim-rank{rank}",
+            chip="NVIDIA GPU",
+            gpu_architecture=None,
+            device_type="cuda",
+            os_name="Linux",
+            os_version="6.1",
+            mlx_version=spec.mlx or local_mlx,
+            mlx_lm_version=local_mlx_lm,
+            memory_bytes=141 << 30,
             mlx_nax_build=False,
             simulated=True,
         )

@@ -11,6 +11,13 @@ repacks them into MLX's ``mxfp8`` / ``mxfp4`` layouts, and ``load_model`` tells
 ``mlx_lm`` to quantise exactly the modules that then carry ``.scales`` (see
 ``_packed_quantization``).
 
+Before ``mlx_lm`` sees a directory, its safetensors headers are read (no tensor data):
+a broken file, a checkpoint whose weights would not fit in memory, or a published
+variant mlxserve does not serve (``deepseek_v41``) is refused with one line. The model
+itself is then built lazily, so a missing or misshapen tensor is refused (one line,
+from ``Model.load_weights`` / ``sanitize``) before any weight is read. DeepSeek-V4-Flash
+-0731's DSpark draft head is dropped, with one log line: it serves without drafting.
+
 Named sources (for example a built-in ``"demo"`` model) can be plugged in with
 ``register_source``; ``load`` consults them before treating ``path`` as a directory
 or a Hugging Face repository.
@@ -18,6 +25,7 @@ or a Hugging Face repository.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +33,10 @@ from typing import Any
 from mlx.nn.layers.base import Module
 
 from mlxserve.errors import UsageError
+
+from .safetensors_header import HeaderError, TensorInfo, read_checkpoint
+
+log = logging.getLogger(__name__)
 
 ModelAndTokenizer = tuple[Module, Any]
 SourceFactory = Callable[[], ModelAndTokenizer]
@@ -47,6 +59,15 @@ _MX_QUANTIZATION = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
 #: What the ``expert_dtype`` of DeepSeek's quantization_config may say (the sanitiser
 #: recognises each from the packed shapes; bf16 experts simply have no ``.scale``).
 _EXPERT_DTYPES = (None, "fp4", "fp8", "bf16")
+
+#: model_types of published DeepSeek checkpoints that are not DeepSeek-V4 and are
+#: refused by name: why, in one phrase.
+_REFUSED_MODEL_TYPES = {
+    "deepseek_v41": (
+        "DeepSeek-V4.1, a different architecture from DeepSeek-V4 (shared-KV "
+        "attention, Engram memory tables, a vision tower)"
+    ),
+}
 
 #: Built-in named sources, registered on first use: name -> "module:function".
 _BUILTIN_SOURCES = {"demo": "mlxserve.models.demo:load_demo"}
@@ -172,20 +193,96 @@ def _packed_quantization(config: dict[str, Any], source: Path) -> dict[str, Any]
     return dict(_MX_QUANTIZATION)
 
 
+def _refuse_other_architectures(config: dict[str, Any], source: Path) -> None:
+    """One line for a published checkpoint that only looks like one we serve."""
+    text_config = config.get("text_config")
+    types = [config.get("model_type")]
+    if isinstance(text_config, dict):
+        types.append(text_config.get("model_type"))
+    for model_type in types:
+        if model_type in _REFUSED_MODEL_TYPES:
+            raise UsageError(
+                f"model {str(source)!r}: model_type {model_type!r} is "
+                f"{_REFUSED_MODEL_TYPES[str(model_type)]}; mlxserve serves 'deepseek_v4' "
+                "checkpoints (DeepSeek-V4-Flash, -Base, -0731)"
+            )
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.1f} GiB"
+
+
+def _check_fits(
+    config: dict[str, Any],
+    tensors: dict[str, TensorInfo],
+    source: Path,
+    memory_bytes: int | None,
+    ranks: int,
+) -> None:
+    """Refuse, before anything is read, weights larger than this rank's memory."""
+    if config.get("model_type") in _OWN_MODEL_TYPES:
+        from .deepseek_v4.memory import weight_bytes
+
+        needed = weight_bytes(tensors, ranks)
+    else:
+        needed = sum(info.nbytes for info in tensors.values())
+    if memory_bytes is None:
+        from mlxserve.hardware.probe import usable_memory_bytes
+
+        memory_bytes = usable_memory_bytes()
+    if memory_bytes > 0 and needed > memory_bytes:
+        per_rank = f" per rank over {ranks} ranks" if ranks > 1 else ""
+        raise UsageError(
+            f"model {str(source)!r}: its weights need {_gib(needed)}{per_rank} (from the "
+            f"safetensors headers) but {_gib(memory_bytes)} is usable here; use more "
+            "memory, more tensor-parallel ranks or a smaller quantisation"
+        )
+
+
+def _drop_dspark_head(
+    config: dict[str, Any], tensors: dict[str, TensorInfo], source: Path
+) -> dict[str, TensorInfo]:
+    """The tensors that will be loaded: without a DSpark draft head, which is announced."""
+    if config.get("model_type") != "deepseek_v4":
+        return tensors
+    from .deepseek_v4.dspark import drop_draft_head, has_dspark_head
+
+    if not has_dspark_head(config, tensors):
+        return tensors
+    kept = drop_draft_head(tensors)
+    log.warning(
+        "model %s: DSpark draft head (DeepSeek-V4-Flash-0731, %d tensors) is not "
+        "supported; serving without speculative decoding (MTP off)",
+        source,
+        len(tensors) - len(kept),
+    )
+    return kept
+
+
 def load_model(
-    path: str | Path, *, lazy: bool = False, model_config: dict[str, Any] | None = None
+    path: str | Path,
+    *,
+    lazy: bool = False,
+    model_config: dict[str, Any] | None = None,
+    memory_bytes: int | None = None,
+    ranks: int = 1,
 ) -> tuple[Module, dict[str, Any]]:
     """Load only the model (no tokenizer); returns ``(model, config)``.
 
     For DeepSeek FP8 / FP4 checkpoints the ``quantization`` passed to ``mlx_lm``
     replaces ``quantization_config`` as well, as ``mlx_lm`` does for the formats it
     reads itself, so the returned (and any re-saved) config describes the MLX layout.
+
+    ``memory_bytes`` is the memory the weights may fill (default: what
+    ``hardware.probe.usable_memory_bytes`` finds; 0 skips the check), and ``ranks``
+    how many tensor-parallel ranks will share them (``sharded_load``).
     """
     from mlx_lm.utils import load_config
     from mlx_lm.utils import load_model as mlx_load_model
 
     model_path = _resolve(path)
     config: dict[str, Any] = {**load_config(model_path), **(model_config or {})}
+    _refuse_other_architectures(config, model_path)
     quantization = _packed_quantization(config, model_path)
     if quantization is not None:
         model_config = {
@@ -193,12 +290,28 @@ def load_model(
             "quantization": quantization,
             "quantization_config": quantization,
         }
-    model, config = mlx_load_model(
-        model_path,
-        lazy=lazy,
-        model_config=model_config,
-        get_model_classes=get_model_classes,
-    )
+    try:
+        tensors = read_checkpoint(model_path)
+    except HeaderError as exc:
+        raise UsageError(str(exc)) from None
+    tensors = _drop_dspark_head(config, tensors, model_path)
+    _check_fits(config, tensors, model_path, memory_bytes, ranks)
+    try:
+        # Lazily: the checks in sanitize / load_weights run on shapes, before any read.
+        model, config = mlx_load_model(
+            model_path,
+            lazy=True,
+            model_config=model_config,
+            get_model_classes=get_model_classes,
+        )
+    except ValueError as exc:
+        if config.get("model_type") not in _OWN_MODEL_TYPES:
+            raise
+        raise UsageError(f"model {str(model_path)!r}: {exc}") from None
+    if not lazy:
+        import mlx.core as mx
+
+        mx.eval(model.parameters())
     return model, config
 
 
@@ -208,15 +321,26 @@ def load(
     tokenizer_config: dict[str, Any] | None = None,
     model_config: dict[str, Any] | None = None,
     lazy: bool = False,
+    memory_bytes: int | None = None,
+    ranks: int = 1,
 ) -> ModelAndTokenizer:
-    """Load ``(model, tokenizer)`` from a registered name, a directory or a HF repo."""
+    """Load ``(model, tokenizer)`` from a registered name, a directory or a HF repo.
+
+    ``memory_bytes`` and ``ranks``: see ``load_model``.
+    """
     factory = _source(path) if isinstance(path, str) else None
     if factory is not None:
         return factory()
     from mlx_lm.utils import load_tokenizer
 
     model_path = _resolve(path)
-    model, config = load_model(model_path, lazy=lazy, model_config=model_config)
+    model, config = load_model(
+        model_path,
+        lazy=lazy,
+        model_config=model_config,
+        memory_bytes=memory_bytes,
+        ranks=ranks,
+    )
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
     )
@@ -229,6 +353,7 @@ def sharded_load(
     *,
     tokenizer_config: dict[str, Any] | None = None,
     model_config: dict[str, Any] | None = None,
+    memory_bytes: int | None = None,
 ) -> ModelAndTokenizer:
     """``load`` for tensor parallelism over ``group`` (default: ``mx.distributed.init()``).
 
@@ -246,7 +371,12 @@ def sharded_load(
         model, tokenizer = factory()
     else:
         model, tokenizer = load(
-            path, tokenizer_config=tokenizer_config, model_config=model_config, lazy=True
+            path,
+            tokenizer_config=tokenizer_config,
+            model_config=model_config,
+            lazy=True,
+            memory_bytes=memory_bytes,
+            ranks=group.size(),
         )
     if not hasattr(model, "shard"):
         raise UsageError(f"{path}: the model has no tensor-parallel support (no shard()).")

@@ -1,8 +1,14 @@
 """From settings to a plan: discover the cluster, load rules, apply overrides."""
 
+import json
+import os
+from pathlib import Path
+
 from mlxserve.cluster.discover import Membership, discover
-from mlxserve.cluster.exchange import check_same_plan
-from mlxserve.config import Settings
+from mlxserve.cluster.exchange import check_same_plan, gather_verdicts
+from mlxserve.config import Settings, resolved_state_dir
+from mlxserve.errors import UsageError
+from mlxserve.policy.calibration_store import load_verdicts
 from mlxserve.policy.engine import evaluate
 from mlxserve.policy.overrides import collect_overrides
 from mlxserve.policy.plan import Plan
@@ -14,8 +20,48 @@ def build_plan(settings: Settings) -> tuple[Plan, Membership]:
     # input fails fast and identically on every rank.
     ruleset = load_rules(settings.policy.rules_dir)
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
+    verdicts = load_verdicts(resolved_state_dir(settings.server))
     membership = discover(settings.cluster)
-    plan = evaluate(membership.cluster, ruleset, overrides)
+    if membership.group is not None:
+        verdicts = gather_verdicts(membership.group, verdicts)
+    plan = evaluate(membership.cluster, ruleset, overrides, verdicts)
     if membership.group is not None:
         check_same_plan(membership.group, plan.plan_hash)
     return plan, membership
+
+
+def check_plan(settings: Settings) -> None:
+    """Raise `UsageError` for settings an engine would refuse, before the front listens.
+
+    Why in the front: an engine that exits 2 would only be restarted and fail
+    again. Rules and overrides are checked everywhere; the whole plan is built
+    when the cluster is known without joining it (simulated, or this machine
+    alone); under a launcher, override ranks are checked against its world size.
+    """
+    ruleset = load_rules(settings.policy.rules_dir)
+    overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
+    if settings.cluster.simulate or "MLX_RANK" not in os.environ:
+        plan = evaluate(discover(settings.cluster).cluster, ruleset, overrides)
+        plan.ensure_startable()
+        return
+    world = launched_world_size()
+    for override in overrides:
+        if world is not None and override.rank is not None and override.rank >= world:
+            raise UsageError(
+                f"{override.source}: rank {override.rank} does not exist (world size {world})"
+            )
+
+
+def launched_world_size() -> int | None:
+    """The launcher's world size: MLX_WORLD_SIZE, else the ring hostfile's length."""
+    text = os.environ.get("MLX_WORLD_SIZE", "")
+    if text.isdigit():
+        return int(text)
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return None
+    try:
+        hosts = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return len(hosts) if isinstance(hosts, list) else None

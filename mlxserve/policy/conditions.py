@@ -19,6 +19,7 @@ def conditions_hold(when: Conditions, cluster: Cluster, rank: int | None) -> boo
         when.rank_nax is None or (rank is not None and subjects[0].nax == when.rank_nax),
         when.mlx is None or any(_in_range(p.mlx_version, when.mlx) for p in subjects),
         when.chips is None or any(_chip_in(p.chip, when.chips) for p in subjects),
+        when.device is None or any(p.device_type in when.device for p in subjects),
     ]
     return all(checks)
 

@@ -10,6 +10,10 @@ from typing import Literal
 Scope = Literal["rank", "world"]
 Value = str | int | float
 
+FASTEST = "fastest"
+"""A rule's value for a calibrated decision: what `mlxserve policy calibrate` measured
+fastest on the rank's chip and mlx version (see `mlxserve.policy.calibration`)."""
+
 
 @dataclass(frozen=True)
 class DecisionSpec:
@@ -19,6 +23,8 @@ class DecisionSpec:
     choices: tuple[str, ...] = ()
     number: type[int] | type[float] | None = None
     minimum: float = 0
+    calibrated: bool = False
+    """Whether a rule may decide it as `FASTEST`: the variant calibration measured fastest."""
 
     def coerce(self, raw: object) -> Value:
         """The value `raw` stands for, or ValueError saying what is allowed."""
@@ -46,10 +52,12 @@ DECISIONS: dict[str, DecisionSpec] = {
         DecisionSpec(
             "nax_moe",
             "rank",
-            "Quantized MoE kernel on this rank: skip (stock kernel that skips inactive NAX "
-            "simdgroups, mlx#4352), full (never dispatch the sorted NAX gather), off (no NAX "
-            "path: leave the model as mlx-lm builds it).",
+            "Quantized MoE kernel on this rank: skip (mlx-lm's stock sorted gather_qmm; on NAX "
+            "with mlx >= 0.32.2 that kernel skips inactive simdgroups, mlx#4352), full "
+            "(mlxserve's expert-aligned tiles: never dispatch the sorted gather), off (no NAX "
+            "path: the stock call, as mlx-lm builds the model).",
             choices=("skip", "full", "off"),
+            calibrated=True,
         ),
         DecisionSpec(
             "moe_rows_per_expert_min",

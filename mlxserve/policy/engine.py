@@ -4,25 +4,53 @@ For each decision and each target (every rank, or the world), the matching
 rule of highest priority decides (ties: the rule id that sorts first, so the
 result never depends on file order). Overrides then replace values and are
 recorded; an override that contradicts a hazard rule adds a warning naming it.
+
+A speed rule (one that decides a value as ``fastest``) matches only a rank with a
+calibration of its chip and mlx version; its value and reason come from that
+calibration's verdict. Rule files keep it below every hazard rule, and overrides
+apply after it, so a measurement never outranks a hazard or the operator.
 """
+
+from collections.abc import Callable, Sequence
 
 from mlxserve.cluster.composition import Cluster
 from mlxserve.errors import UsageError
+from mlxserve.hardware.profile import RankProfile
+from mlxserve.policy.calibration import STOCK, Verdict, verdict_for
 from mlxserve.policy.conditions import conditions_hold
-from mlxserve.policy.decisions import DECISIONS, DecisionSpec
+from mlxserve.policy.decisions import DECISIONS, FASTEST, DecisionSpec
 from mlxserve.policy.plan import OVERRIDE_RULE, Decision, Override, Plan, RankPlan, Warning_
 from mlxserve.policy.rules import Rule, RuleSet
 
+CALIBRATION = "calibration"
+"""The `Warning_.rule` of warnings about calibration records."""
 
-def evaluate(cluster: Cluster, ruleset: RuleSet, overrides: list[Override]) -> Plan:
+Resolve = Callable[[str, Rule], Decision]
+
+
+def evaluate(
+    cluster: Cluster,
+    ruleset: RuleSet,
+    overrides: list[Override],
+    calibrations: Sequence[Verdict] = (),
+) -> Plan:
     by_id = {rule.id: rule for rule in ruleset.rules}
     warnings: list[Warning_] = []
     ranks = []
     for rank, profile in enumerate(cluster.ranks):
+        verdict, stale = verdict_for(
+            profile.chip, profile.device_type, profile.mlx_version, calibrations
+        )
+        if stale is not None:
+            warnings.append(_stale_warning(rank, profile, stale))
         matching = [
-            r for r in ruleset.rules if r.scope == "rank" and conditions_hold(r.when, cluster, rank)
+            r
+            for r in ruleset.rules
+            if r.scope == "rank"
+            and conditions_hold(r.when, cluster, rank)
+            and (verdict is not None or not r.speed)
         ]
-        decisions = _decide(matching, "rank", f"rank {rank}")
+        decisions = _decide(matching, "rank", f"rank {rank}", _resolver(profile, verdict))
         warnings += [
             Warning_(rule=r.id, message=f"rank {rank}: {r.warn}")
             for r in sorted(matching, key=lambda r: r.id)
@@ -53,7 +81,37 @@ def evaluate(cluster: Cluster, ruleset: RuleSet, overrides: list[Override]) -> P
     return plan.with_hash()
 
 
-def _decide(matching: list[Rule], scope: str, target: str) -> dict[str, Decision]:
+def _stale_warning(rank: int, profile: RankProfile, stale: Verdict) -> Warning_:
+    return Warning_(
+        rule=CALIBRATION,
+        message=f"rank {rank}: ignored the calibration of {stale.chip} from mlx "
+        f"{stale.mlx_version} ({stale.calibrated_on}): this rank runs mlx {profile.mlx_version}; "
+        "run `mlxserve policy calibrate` again",
+    )
+
+
+def _plain(key: str, rule: Rule) -> Decision:
+    return Decision(value=rule.decided(key), rule=rule.id, reason=rule.reason)
+
+
+def _resolver(profile: RankProfile, verdict: Verdict | None) -> Resolve:
+    """How a winning rule's value is read: from the rule, or for ``fastest`` the verdict."""
+
+    def resolve(key: str, rule: Rule) -> Decision:
+        if rule.decide[key] != FASTEST:
+            return _plain(key, rule)
+        assert verdict is not None  # speed rules only match calibrated ranks
+        # The stock call is named `off` on a rank that has no NAX path.
+        name = "off" if verdict.variant == STOCK and not profile.nax else verdict.variant
+        value = DECISIONS[key].coerce(name)
+        return Decision(value=value, rule=rule.id, reason=verdict.reason(str(value)))
+
+    return resolve
+
+
+def _decide(
+    matching: list[Rule], scope: str, target: str, resolve: Resolve = _plain
+) -> dict[str, Decision]:
     decisions = {}
     for key, spec in DECISIONS.items():
         if spec.scope != scope:
@@ -62,7 +120,7 @@ def _decide(matching: list[Rule], scope: str, target: str) -> dict[str, Decision
         if not candidates:
             raise UsageError(f"no rule decides {key} for {target}; add a default rule for it")
         winner = min(candidates, key=lambda r: (-r.priority, r.id))
-        decisions[key] = Decision(value=winner.decided(key), rule=winner.id, reason=winner.reason)
+        decisions[key] = resolve(key, winner)
     return decisions
 
 

@@ -35,12 +35,21 @@ def explain_text(plan: Plan) -> str:
         lines.append(f"{key}: {decision.value} [{decision.rule}]")
     lines.append("")
     lines.append("why:")
-    reasons: dict[str, str] = {}
+    # rule -> reason -> ranks: a speed rule's reason (measured ratio) differs per chip.
+    reasons: dict[str, dict[str, list[int]]] = {}
     for rank in plan.ranks:
-        reasons.update({d.rule: d.reason for d in rank.decisions.values()})
-    reasons.update({d.rule: d.reason for d in plan.world.values()})
+        for d in rank.decisions.values():
+            reasons.setdefault(d.rule, {}).setdefault(d.reason, []).append(rank.rank)
+    for d in plan.world.values():
+        reasons.setdefault(d.rule, {}).setdefault(d.reason, [])
     reasons.pop(OVERRIDE_RULE, None)
-    lines += [f"  {rule}: {reason}" for rule, reason in sorted(reasons.items())]
+    for rule, by_reason in sorted(reasons.items()):
+        if len(by_reason) == 1:
+            lines.append(f"  {rule}: {next(iter(by_reason))}")
+            continue
+        for reason, ranks in by_reason.items():
+            where = ", ".join(str(r) for r in sorted(set(ranks)))
+            lines.append(f"  {rule} (rank {where}): {reason}")
     for override in plan.overrides:
         if override.applied_to is None:
             target = "the cluster"

@@ -15,14 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from mlxserve.cluster.composition import Composition
 from mlxserve.errors import UsageError
-from mlxserve.policy.decisions import Scope, Value, decision_spec
+from mlxserve.policy.decisions import FASTEST, Scope, Value, decision_spec
 
 
 class Conditions(BaseModel):
     """All given conditions must hold; an absent condition always holds.
 
-    For a rank rule, `rank_nax`, `chips` and `mlx` look at the rank being
-    decided; for a world rule, `chips` and `mlx` hold when any rank matches.
+    For a rank rule, `rank_nax`, `chips`, `device` and `mlx` look at the rank
+    being decided; for a world rule, `chips`, `device` and `mlx` hold when any
+    rank matches. `device` is where MLX computes (metal, cuda, cpu); `backend`
+    is the distributed backend between ranks.
     Numeric and version conditions are specifiers such as ">=2" or "<0.32.1".
     """
 
@@ -34,6 +36,7 @@ class Conditions(BaseModel):
     mlx: str | None = None
     backend: list[Literal["none", "ring", "jaccl", "mpi", "nccl"]] | None = None
     chips: list[str] | None = None
+    device: list[Literal["metal", "cuda", "cpu"]] | None = None
     wires: str | None = None
 
     @field_validator("world_size", "mlx", "wires")
@@ -70,6 +73,12 @@ class Rule(BaseModel):
             spec = decision_spec(key)
             if spec.scope != self.scope:
                 raise ValueError(f"decision {key!r} is {spec.scope}-scoped, rule is {self.scope}")
+            if raw == FASTEST:
+                if not spec.calibrated:
+                    raise ValueError(f"{key} is not calibrated; it cannot be {FASTEST!r}")
+                if self.hazard:
+                    raise ValueError(f"a hazard rule cannot decide {key} by speed ({FASTEST!r})")
+                continue
             spec.coerce(raw)
         if self.scope == "world" and self.when.rank_nax is not None:
             raise ValueError("rank_nax is a rank condition; a world rule cannot use it")
@@ -77,6 +86,11 @@ class Rule(BaseModel):
 
     def decided(self, key: str) -> Value:
         return decision_spec(key).coerce(self.decide[key])
+
+    @property
+    def speed(self) -> bool:
+        """A speed rule decides by calibration; it matches only calibrated ranks."""
+        return FASTEST in self.decide.values()
 
 
 class RuleSet(BaseModel):
@@ -114,7 +128,21 @@ def load_rules(directory: Path | None = None) -> RuleSet:
                 )
             seen[rule.id] = path.name
             rules.append(rule)
+    _check_speed_below_hazards(rules, seen)
     return RuleSet(rules=rules, sources=[path.name for path in files])
+
+
+def _check_speed_below_hazards(rules: list[Rule], files: dict[str, str]) -> None:
+    """A measurement may choose among safe variants only: hazards must outrank it."""
+    for speed in (r for r in rules if r.speed):
+        for hazard in (r for r in rules if r.hazard and r.scope == speed.scope):
+            shared = sorted(set(speed.decide) & set(hazard.decide))
+            if shared and hazard.priority <= speed.priority:
+                raise UsageError(
+                    f"{files[speed.id]}: speed rule {speed.id} (priority {speed.priority}) "
+                    f"must rank below hazard rule {hazard.id} (priority {hazard.priority}, "
+                    f"{files[hazard.id]}), which also decides {shared[0]}"
+                )
 
 
 def _load_file(path: Path) -> list[Rule]:

@@ -23,7 +23,16 @@ from mlxserve.server.errors import (
     handle_unexpected,
 )
 from mlxserve.server.limits import BodySizeLimit
-from mlxserve.server.routes import chat, completions, health, metrics, models, policy, status
+from mlxserve.server.routes import (
+    chat,
+    completions,
+    health,
+    metrics,
+    models,
+    policy,
+    status,
+    tokenize,
+)
 from mlxserve.server.runtime import Runtime
 
 API_KEY_ENV = "MLXSERVE_API_KEY"
@@ -44,6 +53,7 @@ def create_app(runtime: Runtime) -> Starlette:
         *metrics.routes,
         *policy.routes,
         *status.routes,
+        *tokenize.routes,
     ]
     endpoints = [route.path for route in routes if isinstance(route, Route)]
     server = runtime.settings.server

@@ -4,7 +4,8 @@ Pure ASGI (not BaseHTTPMiddleware) so streaming responses and contextvars pass
 through untouched. Keys are compared with `hmac.compare_digest` against every
 configured key, so the time taken says nothing about how much of a key matched
 or which key it was. /health, /ready and /metrics stay open for probes; /status is
-guarded, as it shows the policy plan.
+guarded, as it shows the policy plan, and /tokenize and /detokenize, as they run the
+model's tokenizer for the caller like the /v1 routes do.
 """
 
 import hmac
@@ -16,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from mlxserve.server.errors import Unauthorized, error_response
 
 PROTECTED_PREFIX = "/v1/"
-PROTECTED_PATHS = ("/v1", "/status")
+PROTECTED_PATHS = ("/v1", "/status", "/tokenize", "/detokenize")
 
 
 class BearerAuth:

@@ -7,8 +7,9 @@ backend needs the token ids already sent. The engine sees token ids only.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from mlxserve.errors import UsageError
 from mlxserve.server.errors import InvalidRequest
@@ -23,9 +24,13 @@ class Detokenizer(Protocol):
     def last_segment(self) -> str: ...
 
 
+PromptFormat = Literal["template", "deepseek_v4", "transcript"]
+
+
 class Codec:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, model_type: str | None = None) -> None:
         self._tokenizer = tokenizer
+        self.model_type = model_type
 
     @classmethod
     def load(cls, model_dir: Path) -> Codec:
@@ -37,7 +42,50 @@ class Codec:
             and not (model_dir / "tokenizer.json").is_file()
         ):
             raise UsageError(f"{model_dir}: no tokenizer files (tokenizer.json) in the model")
-        return cls(load_tokenizer(model_dir))  # type: ignore[no-untyped-call]
+        return cls(load_tokenizer(model_dir), _model_type(model_dir))  # type: ignore[no-untyped-call]
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "has_chat_template", False))
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        """How chat prompts are built: the model's template wins; else DeepSeek-V4's
+        own encoder for its model type; else a plain transcript (base models)."""
+        if self.has_chat_template:
+            return "template"
+        return "deepseek_v4" if self.model_type == "deepseek_v4" else "transcript"
+
+    @property
+    def think_markers(self) -> tuple[str, str] | None:
+        """The template's reasoning markers (mlx-lm finds them in the vocabulary)."""
+        start = getattr(self._tokenizer, "think_start", None)
+        end = getattr(self._tokenizer, "think_end", None)
+        return (str(start), str(end)) if start and end else None
+
+    def template_text(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        """The conversation through the chat template, as text, ready for the reply."""
+        try:
+            text = self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **kwargs
+            )
+        except Exception as exc:  # jinja's raise_exception, bad roles, ...
+            raise InvalidRequest(
+                f"the chat template rejected the messages: {exc}", param="messages"
+            ) from None
+        return str(text)
+
+    def tokens_through(self, ids: list[int], marker: str) -> int | None:
+        """How many of ``ids`` it takes for their text to contain ``marker`` (None: never)."""
+        detokenizer = self.detokenizer()
+        text = ""
+        for count, token in enumerate(ids, start=1):
+            detokenizer.add_token(token)
+            text += detokenizer.last_segment
+            if marker in text:
+                return count
+        detokenizer.finalize()
+        return len(ids) if marker in text + detokenizer.last_segment else None
 
     @property
     def vocab_size(self) -> int:
@@ -48,20 +96,10 @@ class Codec:
         return sorted(int(token) for token in self._tokenizer.eos_token_ids)
 
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        """The conversation through the model's chat template, ready for the reply."""
-        if getattr(self._tokenizer, "has_chat_template", False):
-            try:
-                ids = self._tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True
-                )
-            except Exception as exc:  # jinja's raise_exception, bad roles, ...
-                raise InvalidRequest(
-                    f"the chat template rejected the messages: {exc}", param="messages"
-                ) from None
-            return [int(token) for token in ids]
-        # No template: a plain transcript, so base models still answer something.
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self.text_ids(text)
+        """The conversation through the chat template (else the transcript), ready for the reply."""
+        if self.has_chat_template:
+            return self.text_ids(self.template_text(list(messages)))
+        return self.text_ids(transcript(messages))
 
     def text_ids(self, text: str) -> list[int]:
         ids = self._tokenizer.encode(text, add_special_tokens=False)
@@ -74,6 +112,20 @@ class Codec:
     def detokenizer(self) -> Detokenizer:
         detokenizer: Detokenizer = self._tokenizer.detokenizer
         return detokenizer
+
+
+def transcript(messages: list[dict[str, str]]) -> str:
+    """No template and no encoder: a plain transcript, so base models still answer something."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def _model_type(model_dir: Path) -> str | None:
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("model_type") if isinstance(config, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def model_directory(model: str, progress: bool = True) -> Path:

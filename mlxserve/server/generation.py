@@ -58,6 +58,7 @@ class Delta:
     cached_tokens: int = 0
     speculative: dict[str, Any] | None = None
     backend: str | None = None  # the backend that produced it (after failovers, the last)
+    token_ids: tuple[int, ...] = ()  # the last delta: every completion token
 
 
 class Generations:
@@ -90,6 +91,13 @@ class Generations:
                 param="model",
             )
 
+    def checked_ids(self, ids: list[int], *, param: str) -> list[int]:
+        """``ids`` if every one is in the vocabulary, else a 400 naming the first that is not."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is not in the vocabulary", param=param)
+        return ids
+
     def prepare(
         self,
         prompt_ids: list[int],
@@ -104,9 +112,7 @@ class Generations:
     ) -> Prepared:
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"token id {bad} is not in the vocabulary", param="prompt")
+        self.checked_ids(prompt_ids, param="prompt")
         context = self.context_length()
         if context is None:
             raise ServiceUnavailable("no backend has started yet", self.retry_after_s)
@@ -212,4 +218,5 @@ class Generations:
             cached_tokens=cached,
             speculative=speculative,
             backend=job.backend,
+            token_ids=tuple(job.sent),
         )

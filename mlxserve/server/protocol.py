@@ -27,10 +27,28 @@ class ContentPart(_Lenient):
     text: str
 
 
+class FunctionCall(_Lenient):
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ToolCall(_Lenient):
+    """An assistant message's call, as the client sends it back in the history."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Lenient):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    reasoning_content: str | None = Field(
+        None, description="assistant: its reasoning (thinking mode), fed back by the prompt rules"
+    )
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -76,11 +94,43 @@ class _GenerationRequest(_Lenient):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDefinition(_Lenient):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class Thinking(_Lenient):
+    """DeepSeek's API control: ``{"type": "enabled" | "disabled"}``."""
+
+    type: Literal["enabled", "disabled"]
+
+
+class ChatTemplateKwargs(BaseModel):
+    """The keys of ``chat_template_kwargs`` mlxserve acts on; any other is refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    thinking: bool | None = None
+    enable_thinking: bool | None = None
+    drop_thinking: bool | None = None
+
+
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = Field(None, description="only false is supported")
-    tools: list[Any] | None = Field(None, max_length=0, description="tools are not supported")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | None = Field(
+        None, description="only 'auto' and 'none' are supported"
+    )
+    thinking: Thinking | None = None
+    reasoning_effort: Literal["high", "max"] | None = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
 
     @field_validator("logprobs")
     @classmethod
@@ -134,6 +184,18 @@ class CompletionRequest(_GenerationRequest):
         return [int(token) for token in value if isinstance(token, int)]
 
 
+class TokenizeKind(_Lenient):
+    """/tokenize takes a chat body or a completion body: which one has this request?"""
+
+    messages: Any = None
+    prompt: Any = None
+
+
+class DetokenizeRequest(_Lenient):
+    model: str = Field(min_length=1)
+    tokens: list[int]
+
+
 # -- responses -------------------------------------------------------------------
 
 
@@ -142,11 +204,28 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: dict[str, int] | None = None
+    completion_tokens_details: dict[str, int] | None = None
+
+
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallOut(BaseModel):
+    """A call in an answer; streamed, the first chunk has id and name, later ones arguments."""
+
+    index: int | None = None
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -169,6 +248,8 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChunkChoice(BaseModel):

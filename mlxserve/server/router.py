@@ -23,6 +23,7 @@ from tenacity import wait_random_exponential as wait_full_jitter
 from mlxserve.server.backends.base import (
     Backend,
     BackendEvent,
+    BackendRequestFailed,
     BackendUnavailable,
     Finished,
     GenerationParams,
@@ -46,6 +47,8 @@ class Job:
     sent: list[int] = field(default_factory=list)
     attempts: int = 0
     backend: str | None = None
+    #: Backends on which a step of this request raised: the retry goes elsewhere.
+    failed_on: set[str] = field(default_factory=set)
 
     def resume_params(self) -> GenerationParams:
         return replace(
@@ -104,8 +107,22 @@ class Router:
         if new is not None:
             self._last_active = new
 
-    def _pick(self) -> Backend:
+    def _pick(self, job: Job) -> Backend:
+        """The active backend, or for a request that failed a step, the next one after it.
+
+        Why not the same one again: a step that raised on that engine will most
+        likely raise again on the same inputs; another engine may not.
+        """
         backend = self._active
+        if backend is not None and backend.name in job.failed_on:
+            backend = next(
+                (
+                    b
+                    for b in self.backends
+                    if b.healthy and b.connected and b.name not in job.failed_on
+                ),
+                None,
+            )
         if self.closed or backend is None or not backend.connected:
             raise NoHealthyBackend("no healthy backend")
         return backend
@@ -129,7 +146,7 @@ class Router:
                     yield event
 
     async def _attempt(self, job: Job) -> AsyncGenerator[BackendEvent, None]:
-        backend = self._pick()
+        backend = self._pick(job)
         job.attempts += 1
         if job.attempts > 1:
             log.info(
@@ -150,6 +167,8 @@ class Router:
                     job.sent.extend(event.token_ids)
                 yield event
         except BackendUnavailable as exc:
+            if isinstance(exc, BackendRequestFailed):
+                job.failed_on.add(backend.name)
             self.metrics.retries.labels(backend.name).inc()
             log.warning("request %s failed on '%s': %s", job.request_id, backend.name, exc)
             raise

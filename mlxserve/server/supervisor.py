@@ -16,12 +16,14 @@ import contextlib
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from mlxserve.config import ServerSettings
 from mlxserve.server.backends.base import (
     Backend,
+    BackendRefused,
     BackendRejected,
     BackendUnavailable,
     Finished,
@@ -37,6 +39,7 @@ WATCHDOG_EXIT = 75
 FAILED_PROBES_BEFORE_KILL = 2
 TICK_S = 0.5
 EXIT_GRACE_S = 5.0
+INCIDENTS_KEPT = 100  # the newest; a flapping engine must not grow the front's memory
 
 
 @dataclass(frozen=True)
@@ -73,9 +76,12 @@ class Supervisor:
         self.probe_ids = tuple(probe_ids)
         self.console = console
         self.on_healthy = on_healthy
-        self.incidents: list[Incident] = []
+        self.incidents: deque[Incident] = deque(maxlen=INCIDENTS_KEPT)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self.refused: dict[str, str] = {}  # backend -> why it refuses to start
+        #: Set when every backend refused to start: the front cannot serve and exits 2.
+        self.all_refused = asyncio.Event()
 
     async def start(self) -> None:
         for backend in self.backends:
@@ -104,6 +110,9 @@ class Supervisor:
                     self.metrics.engine_restarts.labels(backend.name).inc()
                 try:
                     info = await backend.start()
+                except BackendRefused as exc:
+                    self._refused(backend, str(exc))
+                    return
                 except BackendUnavailable as exc:
                     failures += 1
                     delay = self._backoff(failures)
@@ -123,6 +132,13 @@ class Supervisor:
             delay = self._backoff(failures)
             log.info("restarting backend '%s' in %.1f s", backend.name, delay)
             await asyncio.sleep(delay)
+
+    def _refused(self, backend: Backend, reason: str) -> None:
+        """An engine that exits 2 has bad settings: never restarted (it would fail forever)."""
+        self.refused[backend.name] = reason
+        self.console.say(f"backend '{backend.name}' refuses to start (not retried): {reason}")
+        if len(self.refused) == len(self.backends):
+            self.all_refused.set()
 
     def _healthy(self, backend: Backend) -> None:
         backend.set_healthy(True)

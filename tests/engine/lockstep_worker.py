@@ -67,8 +67,16 @@ def main() -> None:
         streams = lead(Engine(adapter_for(model, 3), CONFIG, lockstep=leader), leader)
     else:
         engine = Engine(adapter_for(model, 3), CONFIG)
+        streams = {}
+        admit = engine.admit_mirrored
+
+        def admit_and_keep(request: GenerationRequest) -> None:
+            admit(request)
+            streams[request.request_id] = engine.mirrored[request.request_id]
+
+        engine.admit_mirrored = admit_and_keep  # type: ignore[method-assign]
         report["steps"] = follow(engine, group, max_messages=MAX_STEPS)
-        streams = engine.mirrored
+        report["mirrored_left"] = len(engine.mirrored)  # finished requests are freed
     report["results"] = {rid: drain(s) for rid, s in streams.items()}
     print(json.dumps(report))
 

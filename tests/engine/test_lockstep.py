@@ -63,6 +63,7 @@ def test_two_ranks_serve_in_lockstep(tmp_path: Path) -> None:
     leader, follower = (json.loads(run.stdout.strip().splitlines()[-1]) for run in runs)
     assert follower["results"] == leader["results"]
     assert follower["steps"] > 10
+    assert follower["mirrored_left"] == 0
     results = leader["results"]
     assert results["cancelled"]["finish"] == "cancelled"
     assert 0 < len(results["cancelled"]["tokens"]) < 200

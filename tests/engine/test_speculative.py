@@ -94,13 +94,52 @@ def test_rollback_leaves_exactly_the_state_of_the_emitted_tokens(v4: Module) -> 
         fresh = v4(mx.array(tokens)[None])[0, -1]
         assert mx.allclose(ours, fresh, atol=1e-4).item()
         # MTP: its depth-1 draft from the kept state equals one from scratch.
+        # The carry (rows whose MTP entries wait for the next round's first draft)
+        # goes in with its successors, as the next round feeds it.
         assert probe.carry is not None
-        draft, _ = v4.mtp_forward(probe.carry, mx.array([[7]]), probe.mtp_cache[0], 0)
+        carried = mx.concatenate([*probe.carry_tokens, mx.array([7])])[None]
+        draft, _ = v4.mtp_forward(probe.carry, carried, probe.mtp_cache[0], 0)
         streams = v4.forward_hidden(mx.array(tokens)[None])
         successors = mx.array([*tokens[1:], 7])[None]
         ref, _ = v4.mtp_forward(streams, successors, v4.make_mtp_cache()[0], 0)
         assert mx.allclose(draft[0, -1], ref[0, -1], atol=1e-4).item()
     assert accepted_total > 0  # the accepted path was exercised
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_round_syncs_with_the_host_once(
+    v4: Module, temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts, verify, acceptance and rollback: one `mx.eval`, and nothing read back
+    before it (an `.item()` on a lazy array would be a second sync)."""
+    from mlxserve.engine import mtp_adapter
+    from mlxserve.engine.sampling import KeyStream
+
+    adapter = MTPAdapter(v4)
+    state = adapter.new_state(max_rollback=3)
+    adapter.prefill(state, list(PROMPT[:-1]))
+    first = int(mx.argmax(adapter.step(state, mx.array(PROMPT[-1:]))).item())
+    evals: list[int] = []
+    real_eval = mx.eval
+
+    def counting_eval(*args: object) -> None:
+        evals.append(1)
+        real_eval(*args)
+
+    monkeypatch.setattr(mtp_adapter.mx, "eval", counting_eval)
+    keys = KeyStream(5)
+    emitted = adapter.speculate(state, first, 3, SamplingParams(temperature=temperature), keys)[0]
+    monkeypatch.setattr(mtp_adapter.mx, "eval", real_eval)
+    assert evals == [1]
+    assert 1 <= len(emitted) <= 4
+
+
+def test_trim_beyond_the_rollback_margin_is_an_error(v4: Module) -> None:
+    cache = v4.make_cache(max_rollback=2)
+    v4(mx.array([list(PROMPT[:20])]), cache=cache)
+    assert cache[0].trim(2) == 2
+    with pytest.raises(ValueError, match="cannot trim 3"):
+        cache[0].trim(3)
 
 
 @pytest.mark.slow

@@ -14,8 +14,9 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear  # noqa: E402
 
 from mlxserve.models import load  # noqa: E402
 from mlxserve.models.demo import build  # noqa: E402
-from mlxserve.models.demo.corpus import Sample, split  # noqa: E402
-from mlxserve.models.demo.evaluate import (  # noqa: E402
+from mlxserve.models.demo.spec import ASSISTANT, END, USER  # noqa: E402
+from training.demo.corpus import Sample, split  # noqa: E402
+from training.demo.evaluate import (  # noqa: E402
     encode,
     eval_samples,
     greedy_continue,
@@ -23,7 +24,6 @@ from mlxserve.models.demo.evaluate import (  # noqa: E402
     heldout_distinct_ngrams,
     prompt_text,
 )
-from mlxserve.models.demo.spec import ASSISTANT, END, USER  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from mlxserve.server.backends.base import (
     BackendEvent,
     BackendInfo,
     BackendRejected,
+    BackendRequestFailed,
     BackendUnavailable,
     Finished,
     GenerationParams,
@@ -46,6 +47,7 @@ class FakeBackend(Backend):
         fail_after: int | None = None,
         reject: bool = False,
         crash: bool = False,
+        step_fails: bool = False,
         plan: dict[str, object] | None = None,
     ) -> None:
         super().__init__(name)
@@ -54,6 +56,7 @@ class FakeBackend(Backend):
         self.fail_after = fail_after
         self.reject = reject
         self.crash = crash
+        self.step_fails = step_fails
         self.plan = plan
         self.calls: list[GenerationParams] = []
         self.cancelled: list[str] = []
@@ -98,6 +101,8 @@ class FakeBackend(Backend):
             for count in range(params.max_tokens):
                 if self.fail_after is not None and count == self.fail_after:
                     self.fail_after = None
+                    if self.step_fails:  # this request's step raised; the backend is fine
+                        raise BackendRequestFailed(f"fake '{self.name}': step failed")
                     self.fail()
                     raise BackendUnavailable(f"fake '{self.name}' died")
                 if self.delay_s:

@@ -161,3 +161,16 @@ def test_still_ready_after_the_fuzzing(live: LiveServer) -> None:
     status, detail = live.ready()
     assert status == 200, detail
     assert live.metric("mlxserve_requests_total", status="500") == 0
+
+
+def test_non_streamed_request_is_cancelled_when_its_client_goes(live: LiveServer) -> None:
+    """A long non-streamed request whose client times out must free its slot at once."""
+    body = {**CHAT, "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 5  # 1500 tokens would take far longer than this
+    while live.metric("mlxserve_running_requests"):
+        assert time.monotonic() < deadline, "the abandoned request kept generating"
+        time.sleep(0.05)
+    _, detail = live.ready()
+    assert all(b["in_flight"] == 0 for b in detail["backends"])

@@ -35,6 +35,8 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
         (["--port", "abc"], "invalid int value: 'abc'"),
         (["serve", "--speculative-depth", "9"], "invalid choice"),
         (["--config", "missing.toml"], "missing.toml: config file not found"),
+        (["--policy", "foo=bar"], "policy.overrides: unknown decision"),
+        (["--policy", "nax_moe@1=full"], "rank 1 does not exist (world size 1)"),
     ],
 )
 def test_bad_flags_are_one_line(args: list[str], message: str) -> None:
@@ -54,3 +56,27 @@ def test_busy_port_is_one_line(tmp_path: Path) -> None:
         )
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr.strip().splitlines()[-1]
+
+
+def test_bad_fallback_policy_is_one_line_before_listening(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(
+        '[[fallback]]\nname = "standby"\nmodel = "demo"\npolicy = ["nax_moe@3=full"]\n'
+    )
+    result = run("--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "mlxserve: error: fallback 'standby': policy.overrides: rank 3 does not exist "
+        "(world size 1)"
+    ]
+
+
+def test_engine_that_exits_2_is_not_retried_and_the_front_exits_2(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('[server]\nport = 0\nengine_env = { MLXSERVE_FAULT_HANG_AT_STEP = "soon" }\n')
+    result = run("--config", str(config))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("MLXSERVE_FAULT_HANG_AT_STEP must be a step index") == 3
+    assert "refuses to start (not retried)" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("mlxserve: error: no backend can")
+    assert "retrying" not in result.stderr

@@ -102,3 +102,22 @@ def test_closing_the_stream_cancels_on_the_backend() -> None:
 
 def test_unavailable_is_retryable() -> None:
     assert issubclass(NoHealthyBackend, BackendUnavailable)
+
+
+def test_a_failed_step_is_retried_on_the_next_backend_not_the_same() -> None:
+    a = FakeBackend("a", fail_after=3, step_fails=True).up()
+    b = FakeBackend("b").up()
+    router = Router([a, b], FAST, Metrics())
+    assert router.active is a  # the backend itself stays healthy and active
+    out = asyncio.run(run(router))
+    assert out == greedy(list(PROMPT), 12)
+    assert len(a.calls) == 1 and len(b.calls) == 1
+    assert router.active is a
+
+
+def test_a_failed_step_with_no_other_backend_is_not_retried_on_the_same() -> None:
+    a = FakeBackend("a", fail_after=3, step_fails=True).up()
+    router = Router([a], FAST, Metrics())
+    with pytest.raises(NoHealthyBackend):
+        asyncio.run(run(router))
+    assert len(a.calls) == 1

@@ -132,10 +132,21 @@ class LayerCache(_BaseCache):
         return self.max_rollback > 0
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` positions (at most the rollback margin); return how many."""
-        n = max(0, min(n, self.offset, self._trimmable()))
-        if n == 0:
+        """Drop the last ``n`` positions exactly and return ``n``.
+
+        Raises ``ValueError`` when fewer than ``n`` can be dropped (beyond the rollback
+        margin, or more than the cache holds): a silent partial trim would leave
+        rejected draft positions in the cache and corrupt every later step. The trim
+        only slices the kept arrays; nothing is copied.
+        """
+        if n <= 0:
             return 0
+        possible = min(self.offset, self._trimmable())
+        if n > possible:
+            raise ValueError(
+                f"cannot trim {n} positions: at most {possible} can be dropped exactly "
+                f"(offset {self.offset}, rollback margin {self.max_rollback})"
+            )
         new_offset = self.offset - n
         if self.window is not None:
             self.window = self.window[:, : self.window.shape[1] - n]

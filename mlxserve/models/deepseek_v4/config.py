@@ -80,6 +80,10 @@ class ModelArgs(BaseModelArgs):
     # Attention type of each MTP block; DeepSeek's ``compress_ratios`` lists them after
     # the main layers. Defaults to sliding attention.
     mtp_layer_types: list[str] | None = None
+    # DeepSeek-V4-Flash-0731 ships a DSpark draft head in ``mtp.*`` instead of MTP
+    # blocks; these fields only mark it (see ``dspark.py``), nothing runs it.
+    dspark_block_size: int | None = None
+    dspark_target_layer_ids: list[int] | None = None
     # Legacy (DeepSeek) spellings, folded into the fields above.
     compress_ratios: list[int] | None = None
     num_hash_layers: int | None = None

@@ -10,6 +10,8 @@ is split so a multi-token-prediction (MTP) head can reuse the trunk:
 MTP weights (``mtp.I.*``) are kept: ``sanitize`` attaches ``MTPBlock`` modules holding
 them (a decoder layer plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and
 ``hc_head``). ``Model.mtp_forward`` / ``make_mtp_cache`` run them (see ``mtp.py``).
+A DSpark draft head in ``mtp.*`` (DeepSeek-V4-Flash-0731) is dropped instead: the
+model then has no MTP blocks and is served without drafting (see ``dspark.py``).
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
+from mlx.utils import tree_flatten
 
 from .attention import Attention
 from .cache import LayerCache, RowCaches
 from .config import ModelArgs
+from .dspark import drop_draft_head, has_dspark_head
 from .hyper_connections import HyperConnection, HyperHead, collapse, expand
 from .moe import MoE
 from .mtp import mtp_forward
-from .sanitize import mtp_block_count, sanitize_weights
+from .sanitize import check_weights, mtp_block_count, sanitize_weights
 from .sharding import shard_model
 
 
@@ -178,6 +182,8 @@ class Model(Module):
         MTP tensors are kept; the ``MTPBlock`` modules that receive them are created
         here, because only the checkpoint tells whether it ships them.
         """
+        if has_dspark_head(vars(self.args), weights):
+            weights = drop_draft_head(weights)  # a DSpark head, which MTP cannot run
         clean = sanitize_weights(weights, self.args.o_groups)
         count = mtp_block_count(clean)
         if count and len(self.mtp) != count:
@@ -185,6 +191,21 @@ class Model(Module):
             types = (types + ["sliding_attention"] * count)[:count]
             self.mtp = [MTPBlock(self.args, t) for t in types]
         return clean
+
+    def load_weights(
+        self, file_or_weights: str | list[tuple[str, mx.array]], strict: bool = True
+    ) -> Model:
+        """``Module.load_weights``, with one short line for a checkpoint that does not fit.
+
+        MLX's own strict check lists every missing name at once (thousands for a
+        truncated download); this names the first one, and runs on shapes alone, so
+        it fails before any weight is read.
+        """
+        if strict and not isinstance(file_or_weights, str):
+            params = dict(tree_flatten(self.parameters()))  # type: ignore[no-untyped-call]
+            check_weights(dict(file_or_weights), params)
+        super().load_weights(file_or_weights, strict=strict)
+        return self
 
     def shard(self, group: mx.distributed.Group | None = None) -> None:
         """Tensor parallelism: split heads / output groups and experts' hidden dim."""

@@ -28,6 +28,27 @@ MX_GROUP = 32
 _FP4_BYTES_PER_SCALE = MX_GROUP // 2
 
 
+def is_fp4_grid(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> bool:
+    """FP4's grid: one scale per row and per 16 bytes (an FP8 grid like that would need
+    16-element blocks, which ``mxfp8`` cannot represent)."""
+    return (
+        len(weight_shape) >= 2
+        and len(scale_shape) == len(weight_shape)
+        and scale_shape[-2] == weight_shape[-2]
+        and weight_shape[-1] == _FP4_BYTES_PER_SCALE * scale_shape[-1]
+    )
+
+
+def repacked_scale_bytes(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> int:
+    """Bytes of the e8m0 scales ``repack`` makes for these shapes: one byte per 32
+    elements of every row, so FP8's 128 x 128 block scales grow to ``rows * cols / 32``."""
+    rows = 1
+    for dim in weight_shape[:-1]:
+        rows *= dim
+    per_scale = _FP4_BYTES_PER_SCALE if is_fp4_grid(weight_shape, scale_shape) else MX_GROUP
+    return rows * (weight_shape[-1] // per_scale)
+
+
 def to_e8m0(scale: mx.array) -> mx.array:
     """Power-of-two scales as e8m0 exponents (uint8, ``2 ** (e - 127)``).
 
@@ -68,8 +89,7 @@ def repack(weight: mx.array, scale: mx.array, name: str) -> tuple[mx.array, mx.a
 
     ``weight`` is ``[..., rows, bytes]`` of FP8 or FP4 codes, ``scale`` its block
     (FP8) or per-32-element (FP4) scales with the same leading dims (stacked experts).
-    FP4 is recognised by its grid: one scale per row and per 16 bytes (an FP8 grid
-    like that would need 16-element blocks, which ``mxfp8`` cannot represent).
+    FP4 is recognised by its grid (``is_fp4_grid``).
     """
     if weight.dtype not in (mx.uint8, mx.int8):
         raise ValueError(
@@ -81,7 +101,7 @@ def repack(weight: mx.array, scale: mx.array, name: str) -> tuple[mx.array, mx.a
     rows, nbytes = weight.shape[-2:]
     scale_rows, scale_cols = scale.shape[-2:]
     scales = to_e8m0(scale)
-    if scale_rows == rows and nbytes == _FP4_BYTES_PER_SCALE * scale_cols:
+    if is_fp4_grid(tuple(weight.shape), tuple(scale.shape)):
         return weight.view(mx.uint32), scales
     if nbytes % MX_GROUP:
         raise ValueError(f"{name}: {nbytes} input elements are not a multiple of {MX_GROUP}.")

@@ -114,11 +114,13 @@ def sanitize_weights(weights: dict[str, mx.array], o_groups: int) -> dict[str, m
             raise ValueError(f"{block} has a scale but no weight for some {proj} experts.")
         prefix = f"model.{block}" if block.startswith("layers.") else block
         name = f"{prefix}.ffn.switch_mlp.{_PROJ[proj]}"
-        stacked = mx.stack([part["weight"] for part in parts])
         with_scale = sum("scale" in part for part in parts)
         if with_scale and with_scale != len(parts):
             raise ValueError(f"{block}: only some {proj} experts have scales.")
+        _same_shapes(parts, "weight", f"{block}.ffn.experts", proj)
+        stacked = mx.stack([part["weight"] for part in parts])
         if with_scale:
+            _same_shapes(parts, "scale", f"{block}.ffn.experts", proj)
             scales = mx.stack([part["scale"] for part in parts])
             stacked, out[f"{name}.scales"] = repack(
                 stacked, scales, f"{block}.ffn.experts.*.{proj}"
@@ -131,3 +133,35 @@ def mtp_block_count(weights: dict[str, mx.array]) -> int:
     """How many MTP blocks the (sanitised) weights hold."""
     ids = {int(k.split(".")[1]) for k in weights if k.startswith("mtp.")}
     return max(ids) + 1 if ids else 0
+
+
+def _same_shapes(parts: list[dict[str, mx.array]], part: str, where: str, proj: str) -> None:
+    """Experts stack into one tensor, so each must have expert 0's shape (named if not)."""
+    first = tuple(parts[0][part].shape)
+    for index, tensors in enumerate(parts):
+        shape = tuple(tensors[part].shape)
+        if shape != first:
+            raise ValueError(
+                f"{where}.{index}.{proj}.{part} has shape {list(shape)}; "
+                f"expert 0 has {list(first)}."
+            )
+
+
+def check_weights(weights: dict[str, mx.array], params: dict[str, mx.array]) -> None:
+    """Raise ``ValueError`` with one line naming the first tensor that does not fit.
+
+    ``weights`` are the sanitised checkpoint tensors, ``params`` the model's (after
+    quantisation). Shapes only: nothing is read or evaluated.
+    """
+    missing = sorted(set(params) - set(weights))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"the checkpoint lacks {missing[0]}{more}.")
+    extra = sorted(set(weights) - set(params))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ValueError(f"the checkpoint has {extra[0]}{more}, which the config does not.")
+    for name in sorted(params):
+        got, want = tuple(weights[name].shape), tuple(params[name].shape)
+        if got != want:
+            raise ValueError(f"{name} has shape {list(got)}; the config gives {list(want)}.")

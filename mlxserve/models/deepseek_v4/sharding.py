@@ -10,6 +10,7 @@ every rank computes the same indexer picks and routing.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -17,6 +18,18 @@ from mlx.nn.layers.distributed import shard_inplace, shard_linear
 
 if TYPE_CHECKING:
     from .model import Model
+
+
+#: Tensors ``shard_model`` splits over the ranks (DeepSeek or MLX names, weights and
+#: scales alike); every other tensor is replicated on each rank.
+_SHARDED = re.compile(
+    r"\.attn\.(wq_b|wo_a|wo_b)\.|\.attn\.attn_sink$|\.ffn\.(experts|shared_experts|switch_mlp)\."
+)
+
+
+def is_sharded(name: str) -> bool:
+    """Whether each rank holds only ``1 / n`` of tensor ``name`` (see the module docstring)."""
+    return _SHARDED.search(name) is not None
 
 
 def check_shardable(model: Model, size: int) -> None:

@@ -2,7 +2,8 @@
 
 ``build_demo_model()`` assembles the runnable, expert-quantised checkpoint from the
 weights shipped in ``weights/``; ``mlxserve.models.load("demo")`` builds (once) and loads
-it. Nothing is built or imported eagerly.
+it. Nothing is built or imported eagerly. The code that trained the shipped weights lives
+beside the package, in the repository's ``training/demo/``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ class BackendRequestFailed(BackendUnavailable):
     """The backend failed this one request but is otherwise fine (e.g. a step raised)."""
 
 
+class BackendRefused(BackendUnavailable):
+    """The backend refuses to start with its settings (an engine's exit 2): retrying can't help."""
+
+
 class BackendRejected(Exception):
     """The backend refused the request itself (a 4xx from a remote): retrying won't help."""
 

@@ -41,6 +41,7 @@ from mlxserve.server.backends.base import (
     Backend,
     BackendEvent,
     BackendInfo,
+    BackendRefused,
     BackendRequestFailed,
     BackendUnavailable,
     Finished,
@@ -55,6 +56,7 @@ LINE_LIMIT = 64 << 20  # a Generate line carries the whole prompt
 STOP_GRACE_S = 5.0
 OUTPUT_TAIL_LINES = 80
 OUTPUT_GRACE_S = 2.0
+EXIT_USAGE = 2  # the engine's "bad settings" exit: restarting it cannot help
 
 _Item = BackendEvent | BackendUnavailable
 
@@ -166,7 +168,8 @@ class LocalEngine(Backend):
     async def _connect(self, socket_path: Path) -> Hello:
         while True:
             if self._exited.is_set():
-                raise BackendUnavailable(
+                kind = BackendRefused if self.exit_code == EXIT_USAGE else BackendUnavailable
+                raise kind(
                     f"engine '{self.name}' exited with code {self.exit_code} while starting"
                     + self._tail_hint()
                 )

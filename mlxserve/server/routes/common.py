@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -16,6 +18,7 @@ from mlxserve.server.runtime import Runtime
 
 Model = TypeVar("Model", bound=BaseModel)
 BACKEND_HEADER = "X-Mlxserve-Backend"
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
 
 
 def runtime_of(request: Request) -> Runtime:
@@ -38,13 +41,52 @@ async def parse_body(request: Request, model: type[Model]) -> Model:
         raise from_validation_error(exc) from None
 
 
-async def collect(deltas: AsyncIterator[Delta]) -> tuple[str, Delta]:
-    parts: list[str] = []
-    last = Delta("")
-    async for delta in deltas:
-        parts.append(delta.text)
-        last = delta
-    return "".join(parts), last
+class ClientGone(Exception):
+    """The client of a non-streamed request disconnected before its answer was ready."""
+
+
+async def collect(
+    deltas: AsyncGenerator[Delta, None],
+    request: Request,
+    each: Callable[[Delta], object] | None = None,
+) -> tuple[str, Delta]:
+    """The whole text and the last delta; cancels the generation when the client goes.
+
+    Why race a listener: a non-streamed answer is written only at the end, so
+    nothing else would notice the disconnect, and the engine would keep
+    generating for nobody. Raises `ClientGone` then. `each` sees every delta as it
+    comes, for answers that are more than text (reasoning, tool calls).
+    """
+
+    async def gather() -> tuple[str, Delta]:
+        parts: list[str] = []
+        last = Delta("")
+        try:
+            async for delta in deltas:
+                parts.append(delta.text)
+                last = delta
+                if each is not None:
+                    each(delta)
+        finally:
+            await deltas.aclose()
+        return "".join(parts), last
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.create_task(gather())
+    listener = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+            raise ClientGone
+    return work.result()
 
 
 def backend_header(delta: Delta) -> dict[str, str]:

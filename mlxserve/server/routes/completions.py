@@ -13,6 +13,8 @@ from starlette.routing import Route
 from mlxserve.server.generation import Delta
 from mlxserve.server.protocol import Completion, CompletionChoice, CompletionRequest
 from mlxserve.server.routes.common import (
+    CLIENT_CLOSED,
+    ClientGone,
     backend_header,
     collect,
     dump,
@@ -47,7 +49,10 @@ async def completions(request: Request) -> Response:
     }
     deltas = generations.run(prepared)
     if not body.stream:
-        text, last = await collect(deltas)
+        try:
+            text, last = await collect(deltas, request)
+        except ClientGone:  # nobody to answer; the generation was cancelled
+            return Response(status_code=CLIENT_CLOSED)
         choice = CompletionChoice(text=text, finish_reason=last.finish_reason or "stop")
         completion = Completion(
             **meta, choices=[choice], usage=usage_of(last), speculative=last.speculative

@@ -22,8 +22,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from ..deepseek_v4 import Model
-from .build import quantize_experts, shipped_weights
+from mlxserve.models.deepseek_v4 import Model
+from mlxserve.models.demo.build import quantize_experts, shipped_weights
+
 from .corpus import Sample
 from .evaluate import encode, prompt_text
 

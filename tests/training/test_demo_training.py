@@ -2,25 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxserve.models.demo import corpus, finetune, onpolicy, train
-from mlxserve.models.demo.build import flat_parameters
-from mlxserve.models.demo.evaluate import distinct_ngrams, encode, greedy_continue, prompt_text
-
-WEIGHTS = Path(train.__file__).parent / "weights"
+from mlxserve.models.demo.build import WEIGHTS_DIR, flat_parameters
+from training.demo import corpus, finetune, onpolicy, train
+from training.demo.evaluate import distinct_ngrams, encode, greedy_continue, prompt_text
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(WEIGHTS))
+    return AutoTokenizer.from_pretrained(str(WEIGHTS_DIR))
 
 
 def test_distill_loss_hard_and_soft_parts() -> None:

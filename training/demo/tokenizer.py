@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from .spec import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS, VOCAB_SIZE
+from mlxserve.models.demo.spec import BOS, CHAT_TEMPLATE, END, PAD, SPECIAL_TOKENS, VOCAB_SIZE
 
 
 def train_tokenizer(texts: Iterable[str], out_dir: Path) -> None:

@@ -36,7 +36,8 @@ import numpy as np
 from mlx.nn.losses import cross_entropy
 from mlx.nn.utils import value_and_grad
 
-from ..deepseek_v4 import Model
+from mlxserve.models.deepseek_v4 import Model
+
 from . import onpolicy
 from .corpus import Sample
 from .schedule import lr_at, scalar, train_all, train_only_mtp

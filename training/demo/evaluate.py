@@ -13,10 +13,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..deepseek_v4.model import Model
-from ..deepseek_v4.mtp import greedy_draft
+from mlxserve.models.deepseek_v4.model import Model
+from mlxserve.models.deepseek_v4.mtp import greedy_draft
+from mlxserve.models.demo.spec import ASSISTANT, END, USER
+
 from .corpus import Sample
-from .spec import ASSISTANT, END, USER
 
 
 @dataclass

@@ -7,12 +7,12 @@ previous one's output (``--init-from``) and keeps its report in ``training.json`
     export LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
     W=mlxserve/models/demo/weights
     # Phase 1 (~25 min): tokenizer, then main model + MTP jointly.
-    python -m mlxserve.models.demo.train --out $W --steps 1000 --seed 0
+    python -m training.demo.train --out $W --steps 1000 --seed 0
     # Phase 2 (~5 min): MTP self-distillation on corpus windows.
-    python -m mlxserve.models.demo.train --out $W --init-from $W --steps 0 \\
+    python -m training.demo.train --out $W --init-from $W --steps 0 \\
         --distill-steps 600 --distill-lr 3e-3 --seed 0
     # Phases 3 and 4 (~20 min): on the main model's own greedy text.
-    python -m mlxserve.models.demo.train --out $W --init-from $W --steps 0 \\
+    python -m training.demo.train --out $W --init-from $W --steps 0 \\
         --agree-steps 400 --onpolicy-steps 1500 --eval-prompts 48 --seed 0
 
 Phase 1 loss: main next-token cross-entropy plus ``--mtp-weight`` times the MTP
@@ -55,12 +55,13 @@ from mlx.nn.losses import cross_entropy
 from mlx.nn.utils import value_and_grad
 from mlx.utils import tree_unflatten
 
-from ..deepseek_v4 import Model, ModelArgs
-from ..deepseek_v4.model import MTPBlock
+from mlxserve.models.deepseek_v4 import Model, ModelArgs
+from mlxserve.models.deepseek_v4.model import MTPBlock
+from mlxserve.models.demo.build import flat_parameters, shipped_weights
+from mlxserve.models.demo.spec import MODEL_CONFIG
+
 from . import corpus, finetune
-from .build import flat_parameters, shipped_weights
 from .schedule import freeze_non_trainable, lr_at, scalar, train_all, train_only_mtp
-from .spec import MODEL_CONFIG
 
 WEIGHTS_FILE = "model.fp16.safetensors"
 REPORT_FILE = "training.json"
@@ -115,7 +116,7 @@ def _copy_init(source: Path, out: Path) -> dict[str, Any] | None:
     """Reuse ``source``'s tokenizer; return its training report (kept in the new one)."""
     import shutil
 
-    from .build import TOKENIZER_FILES
+    from mlxserve.models.demo.build import TOKENIZER_FILES
 
     if source.resolve() != out.resolve():
         for name in TOKENIZER_FILES:
@@ -266,12 +267,13 @@ def main(argv: list[str] | None = None) -> None:
     # Acceptance as shipped: the checkpoint build assembles (fp16 round trip, 4-bit experts).
     import tempfile
 
-    from .build import build_demo_model
+    from mlxserve.models.demo.build import build_demo_model
+
     from .evaluate import eval_samples, heldout_acceptance, heldout_distinct_ngrams
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_demo_model(Path(tmp) / "demo", progress=False, source=opts.out)
-        from ..loader import load
+        from mlxserve.models.loader import load
 
         built, built_tok = load(path)
         assert isinstance(built, Model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import ASSISTANT, END, USER
+from mlxserve.models.demo.spec import ASSISTANT, END, USER
 
 HOLDOUT_EVERY = 10
 HOLDOUT_PHASE = 3

@@ -1,0 +1,208 @@
+"""MTP speculation cost model, checked against real rounds; prints one JSON document.
+
+A DeepSeek-V4-Flash-shaped model (43 layers and one MTP block by default, widths
+scaled down, random weights, 4-bit experts as the demo is served) is timed for a
+plain decode step, the verify forward of k + 1 tokens and one draft forward
+(`MTPAdapter.measure_costs`, the engine's own calibration). Then real speculative
+rounds run through the engine with ORACLE drafts: each draft is the main model's own
+greedy token with probability a, else a wrong one (the MTP forwards still run; only
+their token is replaced). Per (a, k) it reports
+
+- measured: decode tok/s at depth k over depth 0 (plain, pipelined decoding);
+- bound: expected tokens per round / (verify(k) + k * draft), in plain steps, with
+  E(k) = 1 + a + ... + a^k;
+- measured / bound (target >= 0.9).
+
+Run: python benchmarks/mtp_cost.py [--layers 43] [--tokens 96] [--repeats 3]
+CPU, short: python benchmarks/mtp_cost.py --layers 8 --tokens 48 --repeats 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxserve.engine.adapter import PlainAdapter
+from mlxserve.engine.drive import run_to_completion
+from mlxserve.engine.engine import Engine, EngineConfig
+from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.hardware.probe import benchmark_device
+
+ACCEPTANCES = (0.5, 0.7, 0.85)
+DEPTHS = (1, 2, 3, 4, 5)
+
+
+def flash_shaped(layers: int, hidden: int, experts: int, vocab: int, seed: int = 0) -> Any:
+    """DeepSeek-V4-Flash's structure (layer pattern, hash layers, hc_mult 4, top-6 MoE,
+    one MTP block) at `hidden` width; random weights, experts quantised to 4 bits."""
+    from mlxserve.engine.build import materialize
+    from mlxserve.models.deepseek_v4 import Model, ModelArgs
+    from mlxserve.models.deepseek_v4.model import MTPBlock
+    from mlxserve.models.demo.build import quantize_experts
+
+    head_dim = max(hidden // 4, 32)
+    args = ModelArgs.from_dict(
+        {
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "moe_intermediate_size": hidden // 2,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 8,
+            "head_dim": head_dim,
+            "q_lora_rank": hidden // 2,
+            "num_experts_per_tok": 6,
+            "n_routed_experts": experts,
+            "sliding_window": 128,
+            "o_groups": 4,
+            "o_lora_rank": hidden // 2,
+            "index_n_heads": 8,
+            "index_head_dim": 32,
+            "index_topk": 64,
+            "hc_mult": 4,
+            "partial_rotary_factor": 0.125,
+            "num_nextn_predict_layers": 1,
+            "max_position_embeddings": 8192,
+        }
+    )
+    mx.random.seed(seed)
+    model = Model(args)
+    model.mtp = [MTPBlock(args, "sliding_attention")]
+    randomized = []
+    for name, value in tree_flatten(model.parameters()):
+        if mx.issubdtype(value.dtype, mx.floating):
+            value = mx.random.normal(value.shape) * (1.0 if value.ndim > 1 else 0.1)
+            if value.ndim > 1:
+                value = value / (value.shape[-1] ** 0.5)
+        else:  # hash routing tables
+            value = mx.random.randint(0, experts, value.shape).astype(value.dtype)
+        randomized.append((name, value))
+    model.update(tree_unflatten(randomized))
+    quantize_experts(model)
+    materialize(model)
+    return model
+
+
+class OracleAdapter(MTPAdapter):
+    """Drafts that are right with probability `acceptance`, per position, by construction.
+
+    The draft forwards run as always; the proposed token is replaced by the reference
+    greedy token (or a wrong one) while still depending on the draft logits, so the
+    device computes the whole draft chain."""
+
+    def __init__(self, model: Any, reference: list[int], acceptance: float, seed: int) -> None:
+        super().__init__(model)
+        self.reference = reference
+        self.acceptance = acceptance
+        self.rng = random.Random(seed)
+        self.vocab = int(model.args.vocab_size)
+        self.position = 0
+
+    def speculate(self, state: Any, last_token: int, *args: Any) -> tuple[list[int], int, int]:
+        self.position = int(state.offset) + 1  # d_1 stands for token `offset + 1`
+        return super().speculate(state, last_token, *args)
+
+    def propose(
+        self, level: int, logits: mx.array, params: SamplingParams, key: mx.array
+    ) -> mx.array:
+        index = self.position + level
+        right = self.reference[index] if index < len(self.reference) else 0
+        token = right if self.rng.random() < self.acceptance else (right + 1) % self.vocab
+        return mx.array(token, dtype=mx.uint32) + mx.argmax(logits).astype(mx.uint32) * 0
+
+
+def decode_rate(engine: Engine, prompt: tuple[int, ...], tokens: int, repeats: int) -> Any:
+    rates, outputs, finish = [], [], None
+    for i in range(repeats):
+        done = run_to_completion(engine, GenerationRequest(f"r{i}", prompt, tokens))
+        rates.append((len(done.tokens) - 1) / (done.total_s - done.ttft_s))
+        outputs.append(done.tokens)
+        finish = done.finish
+    return statistics.median(rates), outputs, finish
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=43)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+    parser.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--acceptance", type=float, nargs="*", default=list(ACCEPTANCES))
+    parser.add_argument("--depths", type=int, nargs="*", default=list(DEPTHS))
+    args = parser.parse_args()
+
+    started = time.perf_counter()
+    model = flash_shaped(args.layers, args.hidden, args.experts, args.vocab)
+    prompt = tuple(random.Random(1).randrange(args.vocab) for _ in range(args.prompt))
+    plain = Engine(PlainAdapter(model), EngineConfig(speculative_depth=0, prefix_cache_entries=0))
+    rate0, outputs, _ = decode_rate(plain, prompt, args.tokens, args.repeats)
+    reference = [*prompt, *outputs[0]]
+    costs = MTPAdapter(model).measure_costs(context=args.prompt + args.tokens // 2)
+    step = costs.plain
+    result: dict[str, Any] = {
+        "benchmark": "mtp_cost",
+        "model": {
+            "shape": "DeepSeek-V4-Flash",
+            "layers": args.layers,
+            "mtp_blocks": 1,
+            "hidden": args.hidden,
+            "routed_experts": args.experts,
+            "experts_per_token": 6,
+            "vocab": args.vocab,
+            "experts_bits": 4,
+        },
+        "prompt_tokens": args.prompt,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "device": benchmark_device(),
+        "costs_in_plain_steps": {
+            "plain_step_ms": step * 1e3,
+            "verify": {str(k): v / step for k, v in costs.verify.items()},
+            "draft": costs.draft / step,
+        },
+        "depth0_tok_s": rate0,
+        "runs": [],
+    }
+    for acceptance in args.acceptance:
+        best = 0.0
+        for depth in args.depths:
+            adapter = OracleAdapter(model, reference, acceptance, seed=depth)
+            engine = Engine(adapter, EngineConfig(speculative_depth=depth, prefix_cache_entries=0))
+            rate, runs, finish = decode_rate(engine, prompt, args.tokens, args.repeats)
+            expected = sum(acceptance**j for j in range(depth + 1))
+            bound = expected * step / costs.round(depth)
+            measured = rate / rate0
+            best = max(best, measured)
+            spec = finish.speculative or {}
+            entry = {
+                "a": acceptance,
+                "k": depth,
+                "tok_s": rate,
+                "measured_speedup": measured,
+                "bound": bound,
+                "measured_over_bound": measured / bound,
+                "expected_tokens_per_round": expected,
+                "realised_acceptance": spec.get("acceptance_rate_per_depth"),
+                "identical_to_depth0": all(r == outputs[0] for r in runs),
+            }
+            result["runs"].append(entry)
+            print(json.dumps(entry), file=sys.stderr, flush=True)
+        result.setdefault("best_measured", {})[str(acceptance)] = best
+    result["worst_measured_over_bound"] = min(r["measured_over_bound"] for r in result["runs"])
+    result["wall_s"] = time.perf_counter() - started
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+# ruff: noqa: RUF002
+"""DeepSeek-V4's tool calls (DSML) read back from the model's streamed answer.
+
+The model writes its calls after its answer text::
+
+    <｜DSML｜tool_calls>
+    <｜DSML｜invoke name="get_weather">
+    <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
+    <｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>
+    </｜DSML｜invoke>
+    </｜DSML｜tool_calls>
+
+``string="true"`` values are raw text, ``string="false"`` values JSON. Text before
+the block streams as content at once, except what could be the start of the block
+marker or the blank line before it. A block is held until it closes: only then is
+it known to be well formed, so a client never receives a call that later turns out
+to be broken. A block that does not parse, or never closes, is given back as text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from mlxserve.models.deepseek_v4.encoding import (
+    INVOKE_END,
+    INVOKE_START,
+    PARAMETER_END,
+    PARAMETER_START,
+    TOOL_CALLS_END,
+    TOOL_CALLS_START,
+    to_json,
+)
+from mlxserve.models.tool_calls import ParsedToolCall, Text, ToolOutput, partial_suffix
+
+_INVOKE_HEAD = re.compile(r'\s*name="([^"]+)">')
+_PARAMETER_HEAD = re.compile(r'\s*name="([^"]+)"\s+string="(true|false)">')
+
+
+class MalformedDsml(ValueError):
+    pass
+
+
+def parse_block(body: str) -> list[ParsedToolCall]:
+    """The calls of one block's body (between the block markers); raises `MalformedDsml`."""
+    calls: list[ParsedToolCall] = []
+    rest = body
+    while rest.strip():
+        rest = rest.lstrip()
+        if not rest.startswith(INVOKE_START):
+            raise MalformedDsml(f"expected {INVOKE_START}, got {rest[:40]!r}")
+        head = _INVOKE_HEAD.match(rest, len(INVOKE_START))
+        if head is None:
+            raise MalformedDsml("an invoke without a name")
+        name, rest = head.group(1), rest[head.end() :]
+        fragments: list[str] = []
+        seen: set[str] = set()
+        while True:
+            rest = rest.lstrip()
+            if rest.startswith(INVOKE_END):
+                rest = rest[len(INVOKE_END) :]
+                break
+            if not rest.startswith(PARAMETER_START):
+                raise MalformedDsml(f"expected a parameter or {INVOKE_END} in '{name}'")
+            param = _PARAMETER_HEAD.match(rest, len(PARAMETER_START))
+            end = rest.find(PARAMETER_END)
+            if param is None or end < param.end():
+                raise MalformedDsml(f"a malformed parameter in '{name}'")
+            key, is_string, raw = param.group(1), param.group(2), rest[param.end() : end]
+            if key in seen:
+                raise MalformedDsml(f"parameter '{key}' twice in '{name}'")
+            seen.add(key)
+            fragments.append(
+                ("{" if not fragments else ", ") + f"{to_json(key)}: {_value(raw, is_string)}"
+            )
+            rest = rest[end + len(PARAMETER_END) :]
+        fragments.append("}" if fragments else "{}")
+        calls.append(ParsedToolCall(name, tuple(fragments)))
+    if not calls:
+        raise MalformedDsml("a tool_calls block without a call")
+    return calls
+
+
+def _value(raw: str, is_string: str) -> str:
+    if is_string == "true":
+        return to_json(raw)
+    try:
+        return to_json(json.loads(raw))
+    except json.JSONDecodeError as exc:
+        raise MalformedDsml(f"not JSON: {raw[:40]!r} ({exc})") from None
+
+
+class DsmlParser:
+    """`ToolCallParser` for DSML: text streams through, blocks become calls."""
+
+    def __init__(self) -> None:
+        self._text = ""  # content not yet released
+        self._block: str | None = None  # inside a block: what followed its start marker
+        self._gap = ""  # whitespace held before a block marker
+        self.calls = 0
+
+    def push(self, text: str) -> list[ToolOutput]:
+        out: list[ToolOutput] = []
+        if self._block is not None:
+            self._block += text
+        else:
+            self._text += text
+        while True:
+            if self._block is None:
+                start = self._text.find(TOOL_CALLS_START)
+                if start < 0:
+                    break
+                before = self._text[:start]
+                stripped = before.rstrip()
+                if stripped:
+                    out.append(Text(stripped))
+                self._gap = before[len(stripped) :]
+                self._block = self._text[start + len(TOOL_CALLS_START) :]
+                self._text = ""
+            end = self._block.find(TOOL_CALLS_END)
+            if end < 0:
+                return out
+            body, after = self._block[:end], self._block[end + len(TOOL_CALLS_END) :]
+            self._block = None
+            out.extend(self._close(body))
+            self._text = after.lstrip() if self.calls else after
+        safe = len(self._text) - partial_suffix(self._text, TOOL_CALLS_START)
+        released = self._text[:safe].rstrip()
+        if released:
+            out.append(Text(released))
+        self._text = self._text[len(released) :]
+        return out
+
+    def _close(self, body: str) -> list[ToolOutput]:
+        try:
+            calls = parse_block(body)
+        except MalformedDsml:
+            raw = self._gap + TOOL_CALLS_START + body + TOOL_CALLS_END
+            self._gap = ""
+            return [Text(raw, malformed=True)]
+        self._gap = ""
+        self.calls += len(calls)
+        return list(calls)
+
+    def finish(self) -> list[ToolOutput]:
+        out: list[ToolOutput] = []
+        if self._block is not None:  # never closed
+            out.append(Text(self._gap + TOOL_CALLS_START + self._block, malformed=True))
+            self._block, self._gap = None, ""
+        if self._text and not (self.calls and not self._text.strip()):
+            out.append(Text(self._text))
+        self._text = ""
+        return out

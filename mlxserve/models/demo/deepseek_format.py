@@ -1,0 +1,88 @@
+# ruff: noqa: RUF001, RUF002
+"""The demo checkpoint dressed as the published DeepSeek-V4: its special tokens, no template.
+
+The published DeepSeek-V4 ships no chat template, so the server builds its prompts
+with DeepSeek-V4's own encoder. To drive that path end to end (real server, real
+forward), this variant keeps the demo's weights and token ids and renames the
+demo's special tokens to DeepSeek's: ``<|bos|>`` becomes ``<｜begin▁of▁sentence｜>``,
+``<|user|>`` ``<｜User｜>``, ``<|assistant|>`` ``<｜Assistant｜>`` and the EOS ``<|end|>``
+``<｜end▁of▁sentence｜>``. The vocabulary size stays 1024, so nothing is retrained;
+``<think>``, ``</think>`` and the DSML markers are ordinary text to this tokenizer,
+which the server reads as text anyway. The model was not trained on this format, so
+its answers are its demo answers, not DeepSeek's behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from mlxserve.models.deepseek_v4.encoding import ASSISTANT, BOS, EOS, USER
+
+from .build import MARKER, build_demo_model
+
+#: The demo's special tokens and the DeepSeek-V4 tokens that take over their ids.
+RENAMED = {
+    "<|bos|>": BOS,
+    "<|user|>": USER,
+    "<|assistant|>": ASSISTANT,
+    "<|end|>": EOS,
+    "<|pad|>": "<｜▁pad▁｜>",
+}
+SUFFIX = "-deepseek-format"
+
+
+def _rename(value: Any) -> Any:
+    if isinstance(value, str):
+        return RENAMED.get(value, value)
+    if isinstance(value, list):
+        return [_rename(item) for item in value]
+    return value
+
+
+def _write_tokenizer(source: Path, target: Path) -> None:
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    for token in tokenizer["added_tokens"]:
+        token["content"] = _rename(token["content"])
+    vocab = tokenizer["model"]["vocab"]
+    tokenizer["model"]["vocab"] = {_rename(key): value for key, value in vocab.items()}
+    (target / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    config = {key: _rename(value) for key, value in config.items()}
+    (target / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    )
+
+
+def build_deepseek_format_demo(out_dir: Path | None = None, progress: bool = True) -> Path:
+    """Build (or reuse) the variant next to the demo build; return its directory."""
+    base = build_demo_model(progress=progress)
+    digest = (base / MARKER).read_text().strip() + SUFFIX
+    target = Path(out_dir) if out_dir is not None else base.with_name(base.name + SUFFIX)
+    marker = target / MARKER
+    if marker.is_file() and marker.read_text().strip() == digest:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        for name in ("model.safetensors", "config.json"):
+            try:
+                os.link(base / name, tmp / name)
+            except OSError:
+                shutil.copyfile(base / name, tmp / name)
+        _write_tokenizer(base, tmp)
+        (tmp / MARKER).write_text(digest + "\n")
+        if target.exists():
+            if marker.is_file() and marker.read_text().strip() == digest:
+                return target
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,87 @@
+"""`mlxserve policy calibrate`: a real calibration of the demo model, read by the next plan."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import mlxserve.commands.calibrate as calibrate_command
+from mlxserve.cli import main
+from mlxserve.policy.calibration import CalibrationRecord
+from mlxserve.policy.calibration_store import SUBDIR
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MLXSERVE_SERVER__STATE_DIR", str(tmp_path))
+    for name in ("MLX_RANK", "MLX_HOSTFILE"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path
+
+
+def _records(state_dir: Path) -> list[Path]:
+    return sorted((state_dir / SUBDIR).glob("*.json")) if (state_dir / SUBDIR).is_dir() else []
+
+
+def test_demo_calibration_feeds_the_plan(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["policy", "calibrate", "--chunk", "256", "--chunk", "128", "--repeats", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "Calibrating MoE variants" in err  # the progress bar, on stderr
+    (path,) = _records(state_dir)
+    assert f"calibration record: {path}" in out
+    record = CalibrationRecord.model_validate_json(path.read_bytes())
+    # The demo: 8 experts, top-2, K 128 -> N 64, 4-bit affine groups of 32.
+    assert [(s.kind, s.tokens) for s in record.shapes] == [
+        ("prefill", 128),
+        ("decode", 8),
+        ("prefill", 256),
+    ]
+    shape = record.shapes[0]
+    assert (shape.experts, shape.top_k, shape.in_dims, shape.out_dims) == (8, 2, 128, 64)
+    assert (shape.bits, shape.group_size, shape.mode, record.dtype) == (4, 32, "affine", "float32")
+    for timing in record.shapes:
+        assert [r.variant for r in timing.results] == ["skip", "full"]
+        assert all(r.error is None and r.seconds and r.max_abs_diff == 0.0 for r in timing.results)
+    verdict = record.verdict()
+    assert verdict is not None
+
+    assert main(["policy", "explain", "--json"]) == 0
+    decision = json.loads(capsys.readouterr().out)["ranks"][0]["decisions"]["nax_moe"]
+    assert decision["rule"] == "moe-calibrated-fastest"
+    assert decision["value"] == ("off" if verdict.variant == "skip" else verdict.variant)
+    assert f"(calibrated {record.created_at[:10]})" in decision["reason"]
+
+
+def test_ctrl_c_writes_nothing(
+    state_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> CalibrationRecord:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(calibrate_command, "calibrate", interrupted)
+    assert main(["policy", "calibrate", "--chunk", "64", "--quiet"]) == 130
+    assert capsys.readouterr().err == "mlxserve: calibration interrupted; no record written\n"
+    assert _records(state_dir) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--repeats", "0"], "argument --repeats: must be >= 1, not 0"),
+        (["--budget", "soon"], "argument --budget: not a number: 'soon'"),
+        (["--model", "/no/such/model"], "model '/no/such/model': no such model directory"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    state_dir: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    try:
+        code = main(["policy", "calibrate", "--quiet", *args])
+    except SystemExit as exc:  # argparse's errors exit from inside the parser
+        code = int(str(exc.code))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert _records(state_dir) == []
