@@ -23,8 +23,11 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 
+from mlxserve.engine.acceptance import greedy_accept, rejection_accept
 from mlxserve.engine.adapter import ModelAdapter, ModelState, PlainAdapter, PlainState
 from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.sampling import KeyStream, probabilities, sample
 
 #: past this padded/real size ratio a row starts another batch (see ``CacheBatch.fits``)
 MAX_PADDING_RATIO = 1.5
@@ -153,13 +156,16 @@ class MTPRowBatch(RowBatch):
     MAX_BACKLOG = 16
 
     def __init__(self, model: Any, states: list[Any]) -> None:
-        super().__init__(model, states)
+        super().__init__(model, [])
         self._carry: mx.array | None = None  # [B, 1, hc, D]: the rows' carried streams
         self._history: list[mx.array] = []  # per step, the streams carried into it
         self._fed: list[mx.array] = []  # per step, the tokens fed [B]
+        self.join(states)
 
     def join(self, states: list[ModelState]) -> None:
         self.flush()
+        for state in states:
+            _fold_carry(self.model, state)
         super().join(states)
 
     def keep(self, indices: list[int]) -> None:
@@ -195,8 +201,137 @@ class MTPRowBatch(RowBatch):
         self.model.mtp_forward(history, successors, mtp_cache, 0)
         for index, state in enumerate(self.states):
             state.carry = self._carry[index : index + 1]
+            state.carry_tokens = []
         self._history, self._fed, self._carry = [], [], None
         mx.eval([s.carry for s in self.states], [c.state for s in self.states for c in s.mtp_cache])
+
+    def speculate(
+        self,
+        last: list[int],
+        depth: int,
+        params: list[SamplingParams],
+        keys: list[KeyStream],
+    ) -> list[list[int]]:
+        """One draft + verify round for every row at once; the tokens each row emits.
+
+        ``last`` holds each row's last emitted token, not yet in its caches. The MTP
+        block drafts ``depth`` tokens for all rows together (one forward per level),
+        the main model verifies ``[last, drafts]`` for all rows in one forward, each
+        row accepts its own prefix (greedy match or rejection sampling), and each row
+        rolls back on its own: its caches drop what it rejected. The MTP entries of
+        the verified positions are built for all rows in one forward and trimmed per
+        row. The same round as ``MTPAdapter.speculate``, row by row.
+        """
+        self.flush()
+        model, states = self.model, self.states
+        blocks = model.num_mtp_blocks
+        streams = mx.concatenate([s.carry for s in states], axis=0)
+        first = mx.array(last, dtype=mx.int32)[:, None]
+        token = first
+        drafts: list[mx.array] = []
+        draft_logits: list[mx.array] = []
+        used = [0] * blocks
+        for level in range(depth):
+            block = min(level, blocks - 1)
+            rows = self.layer_rows([s.mtp_cache[block : block + 1] for s in states])[0]
+            logits, streams = model.mtp_forward(streams, token, rows, block)
+            used[block] += 1
+            token = _sample_rows(logits[:, -1], params, keys)[:, None]
+            drafts.append(token)
+            draft_logits.append(logits[:, -1])
+        draft_ids = mx.concatenate(drafts, axis=1)  # [B, k]
+        verify = mx.concatenate([first, draft_ids], axis=1)  # [B, k + 1]
+        main_streams = model.forward_hidden(verify, self.layer_rows([s.cache for s in states]))
+        main_logits = model.head_from_streams(main_streams)  # [B, k + 1, V]
+        emitted = self._accept(draft_ids, draft_logits, main_logits, main_streams, params, keys)
+        self._rollback(depth, used, emitted, main_streams, verify)
+        return emitted
+
+    def _accept(
+        self,
+        draft_ids: mx.array,
+        draft_logits: list[mx.array],
+        main_logits: mx.array,
+        main_streams: mx.array,
+        params: list[SamplingParams],
+        keys: list[KeyStream],
+    ) -> list[list[int]]:
+        """One host read for the whole batch (plus one per sampled row)."""
+        targets = mx.argmax(main_logits, axis=-1)
+        mx.eval(draft_ids, targets, main_streams)
+        drafted = _int_rows(draft_ids)
+        argmaxes = _int_rows(targets)
+        out: list[list[int]] = []
+        for row, sampling in enumerate(params):
+            row_drafts = drafted[row]
+            if sampling.greedy:
+                out.append(greedy_accept(row_drafts, argmaxes[row]))
+                continue
+            q = probabilities(mx.stack([logits[row] for logits in draft_logits]), sampling)
+            p = probabilities(main_logits[row], sampling)
+            out.append(rejection_accept(row_drafts, q, p, keys[row]))
+        return out
+
+    def _rollback(
+        self,
+        depth: int,
+        used: list[int],
+        emitted: list[list[int]],
+        main_streams: mx.array,
+        verify: mx.array,
+    ) -> None:
+        for state, tokens in zip(self.states, emitted, strict=True):
+            rejected = depth - (len(tokens) - 1)
+            for cache in state.cache:
+                cache.trim(rejected)
+            # Block 0's first entry (h_{n-1}, x_n) is exact; the other draft entries
+            # were guesses.
+            for block, count in enumerate(used):
+                guessed = count - 1 if block == 0 else count
+                if guessed:
+                    state.mtp_cache[block].trim(guessed)
+        # Entries (h_{n+j}, x_{n+j+1}) for j < depth, for every row in one forward (the
+        # verified tokens are the accepted drafts up to each row's first rejection);
+        # each row then drops the entries past its accepted ones.
+        accepted = [len(tokens) - 1 for tokens in emitted]
+        if depth > 0 and any(accepted):
+            mtp_rows = self.layer_rows([s.mtp_cache[:1] for s in self.states])[0]
+            self.model.mtp_forward(main_streams[:, :depth], verify[:, 1:], mtp_rows, 0)
+            for state, count in zip(self.states, accepted, strict=True):
+                state.mtp_cache[0].trim(depth - count)
+        for row, (state, count) in enumerate(zip(self.states, accepted, strict=True)):
+            state.carry = main_streams[row : row + 1, count : count + 1]
+            state.carry_tokens = []
+        mx.eval(
+            [s.carry for s in self.states],
+            [c.state for s in self.states for c in (*s.cache, *s.mtp_cache)],
+        )
+
+
+def _fold_carry(model: Any, state: Any) -> None:
+    """Make a row's pending MTP entries (``MTPAdapter`` lets plain steps defer them in
+    ``carry`` / ``carry_tokens``) so its carry is the last position's streams alone."""
+    rows = int(state.carry.shape[1]) - 1
+    if rows > 0:
+        successors = mx.concatenate(state.carry_tokens)[None, :rows]
+        model.mtp_forward(state.carry[:, :rows], successors, state.mtp_cache[0], 0)
+        state.carry = state.carry[:, rows:]
+    state.carry_tokens = []
+
+
+def _int_rows(values: mx.array) -> list[list[int]]:
+    rows = values.tolist()
+    assert isinstance(rows, list)
+    return [[int(v) for v in row] for row in rows]  # type: ignore[union-attr, arg-type]
+
+
+def _sample_rows(logits: mx.array, params: list[SamplingParams], keys: list[KeyStream]) -> mx.array:
+    """One token per row of ``logits`` [B, V], each with its request's sampling."""
+    if all(p.greedy for p in params):
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
+    return mx.stack(
+        [sample(logits[i], p, k.next()) for i, (p, k) in enumerate(zip(params, keys, strict=True))]
+    ).astype(mx.int32)
 
 
 def new_batch(adapter: ModelAdapter, states: list[ModelState]) -> DecodeBatch | None:

@@ -66,6 +66,9 @@ class EngineConfig:
     speculative_depth: int = 0
     prefix_cache_entries: int = 16
     prefix_cache_bytes: int = 1 << 30
+    # Batched speculation: up to this many requests draft together, at this depth.
+    max_speculative_batch: int = 0
+    batch_speculative_depth: int = 0
 
 
 class RequestStream:
@@ -117,7 +120,11 @@ class Engine:
         self.prefix_cache = cache
         self.runner = Runner(adapter, cache)
         self.scheduler = Scheduler(
-            config.max_running, config.prefill_step, on_admit=self.runner.attach_state
+            config.max_running,
+            config.prefill_step,
+            on_admit=self.runner.attach_state,
+            max_speculative_batch=config.max_speculative_batch,
+            batch_speculative_depth=config.batch_speculative_depth,
         )
         self.before_step = before_step
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()

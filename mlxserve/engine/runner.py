@@ -49,10 +49,12 @@ class Runner:
         emitted: dict[str, list[int]] = {}
         if plan.kind == "decode":
             emitted = self._decode_all(sequences)
+        elif plan.kind == "speculate" and len(sequences) > 1:
+            emitted = self._speculate_all(sequences, plan.num_tokens)
         for sequence in sequences:
             if plan.kind == "prefill":
                 self._prefill(sequence, plan.num_tokens)
-            elif plan.kind == "speculate":
+            elif plan.kind == "speculate" and len(sequences) == 1:
                 emitted[sequence.request_id] = self._speculate(sequence, plan.num_tokens)
         for sequence in sequences:
             sequence.transcript.extend(emitted.get(sequence.request_id, ()))
@@ -264,6 +266,61 @@ class Runner:
             self.prefix_cache.store(tokens, state, owned=True)
 
     # -- speculate -------------------------------------------------------------
+
+    def _speculate_all(self, sequences: list[Sequence], depth: int) -> dict[str, list[int]]:
+        """One speculative round for several requests: drafts and verify batched.
+
+        Every request enters (or stays in) a batch; a batch whose rows can draft
+        together (``speculate``) runs one round for all of them, anything else falls
+        back to a request's own round.
+        """
+        emitted: dict[str, list[int]] = {}
+        named = {s.request_id for s in sequences}
+        for batch in list(self.batches):
+            stray = [i for i, s in enumerate(batch.rows) if s.request_id not in named]
+            if stray and len(stray) < len(batch.rows):
+                self._remove(batch, stray, finished=False)
+        for sequence in sequences:
+            if sequence.request_id not in self._batch_of and not (
+                self._ready(sequence) and self._enter(sequence)
+            ):
+                emitted[sequence.request_id] = self._speculate(sequence, depth)
+        for batch in [b for b in self.batches if any(s.request_id in named for s in b.rows)]:
+            drafter = getattr(batch.state, "speculate", None)
+            rows = batch.rows
+            self._materialize(batch)
+            # A row arriving from plain batched decoding emits its sampled token now.
+            head = {
+                s.request_id: [token_id(s.pending)] if s.pending is not None else [] for s in rows
+            }
+            for sequence in rows:
+                sequence.pending = None
+            room = min(s.budget - 1 - len(head[s.request_id]) for s in rows)
+            round_depth = min(depth, room)
+            if drafter is None or round_depth <= 0:
+                self._plain_round(batch, head, emitted)
+                continue
+            last = [(head[s.request_id] or s.generated)[-1] for s in rows]
+            params = [s.request.sampling for s in rows]
+            tokens = drafter(last, round_depth, params, [s.keys for s in rows])
+            for sequence, row_tokens in zip(rows, tokens, strict=True):
+                sequence.stats.record(round_depth, len(row_tokens) - 1)
+                emitted[sequence.request_id] = [*head[sequence.request_id], *row_tokens]
+        return emitted
+
+    def _plain_round(
+        self, batch: _Batch, head: dict[str, list[int]], emitted: dict[str, list[int]]
+    ) -> None:
+        """No room to draft: one plain step, emitting its tokens at once (speculative
+        rows keep their next input as the last emitted token)."""
+        rows = batch.rows
+        last = [(head[s.request_id] or s.generated)[-1] for s in rows]
+        logits = batch.state.step(mx.array(last, dtype=mx.int32))
+        following = self._sample(rows, logits)
+        values = following.tolist()
+        assert isinstance(values, list)
+        for sequence, value in zip(rows, values, strict=True):
+            emitted[sequence.request_id] = [*head[sequence.request_id], int(value)]  # type: ignore[arg-type]
 
     def _speculate(self, sequence: Sequence, depth: int) -> list[int]:
         batch = self._batch_of.get(sequence.request_id)

@@ -26,6 +26,8 @@ class Scheduler:
         max_running: int,
         prefill_step: int,
         on_admit: Callable[[Sequence], None] | None = None,
+        max_speculative_batch: int = 0,
+        batch_speculative_depth: int = 0,
     ) -> None:
         if max_running < 1 or prefill_step < 1:
             raise ValueError("max_running and prefill_step must be >= 1")
@@ -33,6 +35,10 @@ class Scheduler:
         self.prefill_step = prefill_step
         # Called when a request starts running (the engine attaches its model state).
         self.on_admit = on_admit
+        # Up to this many decoding requests that all draft speculate together, at
+        # this depth (0: a batch decodes plainly).
+        self.max_speculative_batch = max_speculative_batch
+        self.batch_speculative_depth = batch_speculative_depth
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._steps = 0
@@ -74,6 +80,11 @@ class Scheduler:
             # Only the last prompt token is left: the first decode step produces token 1.
             return self._plan("decode", (sequence.request_id,), 1)
         together = len(decoding) > 1
+        if together and self._speculate_together(decoding):
+            ids = tuple(s.request_id for s in decoding)
+            self._decodes_since_prefill += len(ids)
+            depth = min(min(s.depth for s in decoding), self.batch_speculative_depth)
+            return self._plan("speculate", ids, depth)
         plain = tuple(s.request_id for s in decoding if s.depth == 0 or together)
         turns: list[tuple[str, ...]] = [plain] if plain else []
         turns += [(s.request_id,) for s in decoding if s.depth > 0 and not together]
@@ -84,6 +95,14 @@ class Scheduler:
             return self._plan("decode", ids, 1)
         sequence = next(s for s in decoding if s.request_id == ids[0])
         return self._plan("speculate", ids, sequence.depth)
+
+    def _speculate_together(self, decoding: list[Sequence]) -> bool:
+        """Batched speculation: every decoding request drafts, and the batch is small."""
+        return (
+            self.batch_speculative_depth > 0
+            and len(decoding) <= self.max_speculative_batch
+            and all(s.depth > 0 for s in decoding)
+        )
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:

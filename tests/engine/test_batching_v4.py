@@ -42,7 +42,9 @@ def alone(v4: Module) -> dict[str, list[int]]:
     return {rid: plain_greedy(v4, prompt, BUDGET[rid]) for rid, prompt in PROMPTS.items()}
 
 
-def staggered(adapter: ModelAdapter, depth: int) -> tuple[dict[str, list[int]], list[Any]]:
+def staggered(
+    adapter: ModelAdapter, depth: int, **config: Any
+) -> tuple[dict[str, list[int]], list[Any]]:
     """Two requests start, two join mid-generation, they leave at different steps."""
     sizes: list[tuple[StepPlan, list[int]]] = []
     engine: Engine
@@ -50,8 +52,8 @@ def staggered(adapter: ModelAdapter, depth: int) -> tuple[dict[str, list[int]], 
     def hook(plan: StepPlan) -> None:
         sizes.append((plan, [len(b.rows) for b in engine.runner.batches]))
 
-    config = EngineConfig(prefill_step=8, max_running=4, speculative_depth=depth)
-    engine = Engine(adapter, config, before_step=hook)
+    settings = EngineConfig(prefill_step=8, max_running=4, speculative_depth=depth, **config)
+    engine = Engine(adapter, settings, before_step=hook)
     streams = [
         engine.submit(GenerationRequest(r, PROMPTS[r], BUDGET[r])) for r in ("long", "short")
     ]
@@ -84,6 +86,17 @@ def test_mtp_rows_decode_together_and_speculate_alone(
     assert max(n for _, batch in sizes for n in batch) >= 3
     # Alone at the end ("long" outlives the others), it drafts again.
     assert any(plan.kind == "speculate" for plan, _ in sizes[len(sizes) // 2 :])
+
+
+@pytest.mark.parametrize("batch_depth", [1, 3])
+def test_rows_speculate_together(v4: Module, alone: dict[str, list[int]], batch_depth: int) -> None:
+    """Drafts of every row made together, verified in one forward, rolled back per row."""
+    tokens, sizes = staggered(
+        MTPAdapter(v4), depth=3, max_speculative_batch=4, batch_speculative_depth=batch_depth
+    )
+    assert tokens == alone
+    together = [p for p, _ in sizes if p.kind == "speculate" and len(p.request_ids) >= 3]
+    assert together and all(p.num_tokens == batch_depth for p in together)
 
 
 def test_batch_forms(v4: Module) -> None:
