@@ -70,6 +70,14 @@ def load_for_serving(settings: Settings, plan: Plan, rank: int, group: Any = Non
     return LoadedModel(model, tokenizer, adapter_for(model, depth), depth)
 
 
+#: How the draft depth follows the batch size: alone, the configured depth; up to
+#: SPECULATIVE_BATCH requests draft together at SPECULATIVE_BATCH_DEPTH; larger
+#: batches decode plainly. Measured on the demo (2 CPU cores, greedy): drafting
+#: together gave 1.6x a plain batch at 2 requests, par at 4 and less at 8.
+SPECULATIVE_BATCH = 2
+SPECULATIVE_BATCH_DEPTH = 2
+
+
 def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> EngineConfig:
     args = getattr(loaded.model, "args", None)
     experts = int(getattr(args, "n_routed_experts", 0) or 0)
@@ -80,6 +88,8 @@ def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> Engine
         speculative_depth=loaded.speculative_depth,
         prefix_cache_entries=settings.engine.prefix_cache_entries,
         prefix_cache_bytes=settings.engine.prefix_cache_mb << 20,
+        max_speculative_batch=SPECULATIVE_BATCH,
+        batch_speculative_depth=min(loaded.speculative_depth, SPECULATIVE_BATCH_DEPTH),
     )
 
 

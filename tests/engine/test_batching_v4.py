@@ -16,7 +16,7 @@ from mlxserve.engine.adapter import ModelAdapter, PlainAdapter
 from mlxserve.engine.batch import MTPRowBatch, RowBatch
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter
-from mlxserve.engine.request import GenerationRequest
+from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.engine.step_plan import StepPlan
 from tests.engine.drive import collect, run
 from tests.engine.test_speculative import plain_greedy
@@ -114,3 +114,26 @@ def test_batch_forms(v4: Module) -> None:
     plain_adapter = PlainAdapter(v4)
     plain_state = plain_adapter.new_state(0)
     assert isinstance(new_batch(plain_adapter, [plain_state]), RowBatch)
+
+
+def test_greedy_rows_speculating_beside_sampled_ones_are_exact(
+    v4: Module, alone: dict[str, list[int]]
+) -> None:
+    """A sampled row's rejection sampling is its own: the greedy row beside it keeps its
+    tokens (rejection sampling itself: tests/engine/test_acceptance.py)."""
+    config = EngineConfig(
+        max_running=2, speculative_depth=3, max_speculative_batch=2, batch_speculative_depth=2
+    )
+    plans: list[StepPlan] = []
+    engine = Engine(MTPAdapter(v4), config, before_step=plans.append)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
+    results = run(
+        engine,
+        GenerationRequest("long", PROMPTS["long"], BUDGET["long"]),
+        GenerationRequest("s", PROMPTS["mid"], 20, sampled),
+    )
+    assert results["long"][0] == alone["long"]
+    tokens, finish = results["s"]
+    assert finish.finish_reason == "length" and len(tokens) == 20
+    assert all(0 <= t < 61 for t in tokens)
+    assert any(p.kind == "speculate" and len(p.request_ids) == 2 for p in plans)
