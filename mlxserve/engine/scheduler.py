@@ -6,11 +6,12 @@ chunks, and every chunk is followed by a turn for the decoding requests, so
 their streams keep flowing while a new request prefills.
 
 Decoding requests share one decode step: continuous batching (the runner keeps
-the batch across steps). A speculative request verifies its own drafts, one
-request per step, while it decodes alone; once several requests decode, drafting
-one request at a time would cost more than it saves, so every request takes the
-batched step (the speculative depth follows the batch size: its depth at one,
-0 in a batch) and goes back to drafting when it is alone again.
+the batch across steps). The speculative depth follows the batch size: a
+speculative request alone drafts at its own depth; a small batch of speculative
+requests (up to `max_speculative_batch`) drafts together at
+`batch_speculative_depth`, one `speculate` step for all; a larger batch takes
+plain decode steps, since there the batch already fills the forward, and drafts
+again when it shrinks.
 """
 
 from collections import deque

@@ -92,3 +92,37 @@ def test_max_running_bounds_admission(llama_model: Module) -> None:
         engine.submit(GenerationRequest(name, (1, 2, 3), max_tokens=50))
     engine.run_once()
     assert engine.running == 2 and engine.queue_depth == 1
+
+
+def test_speculative_depth_follows_the_batch_size() -> None:
+    """Alone: its own depth; two: one `speculate` step for both at the batch depth;
+    three: plain batched decoding."""
+    from mlxserve.engine.sampling import KeyStream
+    from mlxserve.engine.scheduler import Scheduler
+    from mlxserve.engine.sequence import Phase, Sequence
+
+    scheduler = Scheduler(4, 16, max_speculative_batch=2, batch_speculative_depth=2)
+
+    def decoding(rid: str, depth: int) -> Sequence:
+        sequence = Sequence(GenerationRequest(rid, (1, 2), 50), KeyStream(0), depth=depth)
+        sequence.phase = Phase.DECODE
+        scheduler.running.append(sequence)
+        return sequence
+
+    decoding("a", 3)
+    plan = scheduler.next_step()
+    assert plan is not None and (plan.kind, plan.request_ids, plan.num_tokens) == (
+        "speculate",
+        ("a",),
+        3,
+    )
+    decoding("b", 1)
+    plan = scheduler.next_step()
+    assert plan is not None and (plan.kind, plan.request_ids, plan.num_tokens) == (
+        "speculate",
+        ("a", "b"),
+        1,
+    )
+    decoding("c", 3)
+    plan = scheduler.next_step()
+    assert plan is not None and (plan.kind, plan.request_ids) == ("decode", ("a", "b", "c"))
