@@ -274,6 +274,7 @@ def memory_ratio(results: list[dict[str, Any]], clients: int) -> dict[str, Any] 
     weights = one["memory"].get("weights_bytes", 0)
     cache = one["memory"].get("cache_bytes", 0)
     peak = many["memory"].get("peak_bytes", 0)
+    prefix = many["memory"].get("prefix_cache_bytes", 0)
     budget = weights + clients * cache
     return {
         "peak_bytes": peak,
@@ -281,6 +282,9 @@ def memory_ratio(results: list[dict[str, Any]], clients: int) -> dict[str, Any] 
         "one_request_cache_bytes": cache,
         "weights_plus_caches_bytes": budget,
         "ratio": round(peak / budget, 3) if budget else None,
+        # The prefix cache is memory of its own (bounded by [engine] prefix_cache_mb).
+        "prefix_cache_bytes": prefix,
+        "ratio_without_prefix_cache": round((peak - prefix) / budget, 3) if budget else None,
     }
 
 

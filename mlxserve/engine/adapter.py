@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 
 class ModelState(Protocol):
@@ -36,6 +36,17 @@ class ModelAdapter(Protocol):
         """An independent copy, for the prefix cache."""
 
     def nbytes(self, state: ModelState) -> int: ...
+
+
+def _compact_copy(cache: Any) -> Any:
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if type(cache) is not KVCache or keys is None or values is None:
+        return copy.deepcopy(cache)
+    out = KVCache()  # type: ignore[no-untyped-call]
+    out.keys = mx.contiguous(keys[..., : cache.offset, :])
+    out.values = mx.contiguous(values[..., : cache.offset, :])
+    out.offset = cache.offset
+    return out
 
 
 class PlainState:
@@ -69,8 +80,10 @@ class PlainAdapter:
         return logits[0, -1]
 
     def snapshot(self, state: ModelState) -> PlainState:
+        """A copy; mlx-lm KV caches are copied at their length, not their allocation
+        (which grows 256 positions at a time), so a stored prefix costs what it holds."""
         assert isinstance(state, PlainState)
-        return PlainState(copy.deepcopy(state.cache))
+        return PlainState([_compact_copy(cache) for cache in state.cache])
 
     def nbytes(self, state: ModelState) -> int:
         assert isinstance(state, PlainState)

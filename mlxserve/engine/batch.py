@@ -29,6 +29,8 @@ from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream, probabilities, sample
 
+#: positions a batched KV cache grows by when full (mlx-lm's default is 256)
+GROWTH_STEP = 32
 #: past this padded/real size ratio a row starts another batch (see ``CacheBatch.fits``)
 MAX_PADDING_RATIO = 1.5
 #: ... unless the padded batch is this short: then padding costs less than a second forward
@@ -70,7 +72,13 @@ class CacheBatch:
     @staticmethod
     def _merge(states: list[PlainState]) -> list[Any]:
         layers = zip(*(state.cache for state in states), strict=True)
-        return [layer[0].merge(list(layer)) for layer in layers]
+        merged = [layer[0].merge(list(layer)) for layer in layers]
+        for cache in merged:
+            if hasattr(cache, "step"):
+                # Grow in small steps: a step's growth is a copy of the batch, and its
+                # unused tail is memory every row pays for.
+                cache.step = GROWTH_STEP
+        return merged
 
     def __len__(self) -> int:
         return len(self.lengths)

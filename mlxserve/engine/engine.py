@@ -305,6 +305,7 @@ class Engine:
             "peak_bytes": int(mx.get_peak_memory()),
             "weights_bytes": self._weights_bytes,
             "cache_bytes": cache_bytes,
+            "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,
         }
         self.mirrored.pop(sequence.request_id, None)  # a follower keeps nothing finished
         stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error, memory))
