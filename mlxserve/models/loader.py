@@ -208,8 +208,12 @@ def _refuse_other_architectures(config: dict[str, Any], source: Path) -> None:
             )
 
 
-def _gib(count: int) -> str:
-    return f"{count / 2**30:.1f} GiB"
+def _size(count: int) -> str:
+    """Bytes for people: ``158.4 GiB``, ``3.2 MiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
 
 
 def _check_fits(
@@ -233,8 +237,8 @@ def _check_fits(
     if memory_bytes > 0 and needed > memory_bytes:
         per_rank = f" per rank over {ranks} ranks" if ranks > 1 else ""
         raise UsageError(
-            f"model {str(source)!r}: its weights need {_gib(needed)}{per_rank} (from the "
-            f"safetensors headers) but {_gib(memory_bytes)} is usable here; use more "
+            f"model {str(source)!r}: its weights need {_size(needed)}{per_rank} (from the "
+            f"safetensors headers) but {_size(memory_bytes)} is usable here; use more "
             "memory, more tensor-parallel ranks or a smaller quantisation"
         )
 
