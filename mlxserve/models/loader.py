@@ -263,6 +263,28 @@ def _drop_dspark_head(
     return kept
 
 
+def preflight(path: str | Path) -> None:
+    """The checks ``load_model`` makes before reading anything, for a local directory.
+
+    For a process that does not load the model itself (the ``serve`` front, whose
+    engines load it) but should refuse what they would refuse before anything starts:
+    another architecture, a quantization we cannot read, a broken safetensors header.
+    Memory is left to the engines, which know their ranks. Names and Hub ids pass.
+    """
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        return
+    from mlx_lm.utils import load_config
+
+    config = load_config(directory)
+    _refuse_other_architectures(config, directory)
+    _packed_quantization(config, directory)
+    try:
+        read_checkpoint(directory)
+    except HeaderError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def load_model(
     path: str | Path,
     *,
