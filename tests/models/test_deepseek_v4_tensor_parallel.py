@@ -52,6 +52,10 @@ def test_sharded_load_of_the_demo_checkpoint(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "tests.models.tp_worker", "--checkpoint", str(path)]
     runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=120, cwd=REPO)
     _check(runs, 2)
+    # The loader's per-rank memory figure (headers + ``is_sharded``) is what a rank holds.
+    for run in runs:
+        report = json.loads(run.stdout.strip().splitlines()[-1])
+        assert report["counted_bytes"] == report["held_bytes"], report
 
 
 def test_sharded_load_refuses_sizes_that_do_not_divide(tmp_path: Path) -> None:
