@@ -263,6 +263,17 @@ def _drop_dspark_head(
     return kept
 
 
+def _read_tensors(directory: Path) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors from its headers; a broken or missing file is one line."""
+    try:
+        tensors = read_checkpoint(directory)
+    except HeaderError as exc:
+        raise UsageError(str(exc)) from None
+    if not tensors:
+        raise UsageError(f"model {str(directory)!r}: no weights (model*.safetensors)")
+    return tensors
+
+
 def preflight(path: str | Path) -> None:
     """The checks ``load_model`` makes before reading anything, for a local directory.
 
@@ -279,10 +290,7 @@ def preflight(path: str | Path) -> None:
     config = load_config(directory)
     _refuse_other_architectures(config, directory)
     _packed_quantization(config, directory)
-    try:
-        read_checkpoint(directory)
-    except HeaderError as exc:
-        raise UsageError(str(exc)) from None
+    _read_tensors(directory)
 
 
 def load_model(
@@ -316,10 +324,7 @@ def load_model(
             "quantization": quantization,
             "quantization_config": quantization,
         }
-    try:
-        tensors = read_checkpoint(model_path)
-    except HeaderError as exc:
-        raise UsageError(str(exc)) from None
+    tensors = _read_tensors(model_path)
     tensors = _drop_dspark_head(config, tensors, model_path)
     _check_fits(config, tensors, model_path, memory_bytes, ranks)
     try:

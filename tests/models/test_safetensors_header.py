@@ -115,3 +115,9 @@ def test_the_loader_refuses_a_truncated_download_in_one_line(tmp_path: Path) -> 
         load_model(tmp_path)
     text = str(info.value)
     assert "\n" not in text and "'embed.weight'" in text and "truncated" in text
+
+
+def test_the_loader_refuses_a_directory_without_weights(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v4"}')
+    with pytest.raises(UsageError, match=r"no weights \(model\*\.safetensors\)"):
+        load_model(tmp_path)
