@@ -71,12 +71,14 @@ def run(model: Model, tokens: mx.array) -> dict[str, np.ndarray]:
 
 def main() -> None:
     group = mx.distributed.init(strict=True, backend="ring")
-    tokens = mx.array([[(7 * i + 3) % TP_SIZES["vocab_size"] for i in range(40)]])
+    vocab = TP_SIZES["vocab_size"]
     extra: dict[str, int] = {}
     if "--checkpoint" in sys.argv:
         from mlxserve.models import load, sharded_load
 
         path = sys.argv[sys.argv.index("--checkpoint") + 1]
+        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+        tokens = mx.array([[(7 * i + 3) % vocab for i in range(40)]])
         whole = run(load(path)[0], tokens)
         model = sharded_load(path, group)[0]
         sharded = run(model, tokens)
@@ -85,6 +87,7 @@ def main() -> None:
         counted = weight_bytes(read_checkpoint(Path(path)), group.size())
         extra["held_bytes"], extra["counted_bytes"] = held, counted
     else:
+        tokens = mx.array([[(7 * i + 3) % vocab for i in range(40)]])
         model = build("--quantize" in sys.argv)
         whole = run(model, tokens)
         model.shard(group)
