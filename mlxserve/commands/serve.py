@@ -53,6 +53,9 @@ def run_serve(settings: Settings) -> int:
     configure_logging()
     console = Console()
     began = time.monotonic()
+    from mlxserve.models.loader import preflight
+
+    preflight(settings.model)  # a model the engines would refuse stops us here
     console.say(f"loading the tokenizer of model '{settings.model}'")
     try:
         codec = Codec.load(model_directory(settings.model))
