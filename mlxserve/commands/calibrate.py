@@ -28,10 +28,7 @@ TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_
 
 
 def model_expert_shapes(model_name: str) -> tuple[list[ExpertShape], str]:
-    """The distinct routed-expert shapes of a model, from its lazily loaded weights, and
-    the float dtype its activations run in (that of its affine scales, else bfloat16)."""
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
-
+    """`expert_shapes` of a model directory (or ``demo``), loaded lazily: no weight is read."""
     from mlxserve.models.loader import load_model
 
     if model_name == "demo":
@@ -41,16 +38,23 @@ def model_expert_shapes(model_name: str) -> tuple[list[ExpertShape], str]:
     else:
         path = model_name
     model, config = load_model(path, lazy=True)
-    text_config = config.get("text_config", config)
-    top_k = next((int(text_config[k]) for k in TOP_K_KEYS if k in text_config), None)
+    return expert_shapes(model, config.get("text_config", config), model_name)
+
+
+def expert_shapes(model: Any, config: dict[str, Any], name: str) -> tuple[list[ExpertShape], str]:
+    """The distinct routed-expert shapes of ``model`` and the float dtype its activations
+    run in (that of its affine scales, else bfloat16). `UsageError` when it has none."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
+
+    top_k = next((int(config[k]) for k in TOP_K_KEYS if k in config), None)
     shapes = set()
     dtypes = set()
-    for _, module in model.named_modules():  # type: ignore[no-untyped-call]
+    for _, module in model.named_modules():
         gate = getattr(module, "gate_proj", None)
         if not isinstance(module, SwitchGLU) or not isinstance(gate, QuantizedSwitchLinear):
             continue
         if top_k is None:
-            raise UsageError(f"model {model_name!r}: config.json names no experts per token")
+            raise UsageError(f"model {name!r}: config.json names no experts per token")
         experts, out_dims, words = (int(d) for d in gate["weight"].shape)
         bits = int(gate.bits)
         if str(gate.mode) == "affine":
@@ -68,7 +72,7 @@ def model_expert_shapes(model_name: str) -> tuple[list[ExpertShape], str]:
         )
     if not shapes:
         raise UsageError(
-            f"model {model_name!r} has no quantized MoE layers (SwitchGLU with quantized "
+            f"model {name!r} has no quantized MoE layers (SwitchGLU with quantized "
             "experts): nothing to calibrate"
         )
     ordered = sorted(shapes, key=lambda s: (s.experts, s.in_dims, s.out_dims, s.bits))
