@@ -41,6 +41,7 @@ def test_demo_calibration_feeds_the_plan(
     shape = record.shapes[0]
     assert (shape.experts, shape.top_k, shape.in_dims, shape.out_dims) == (8, 2, 128, 64)
     assert (shape.bits, shape.group_size, shape.mode, record.dtype) == (4, 32, "affine", "float32")
+    assert record.clock == "process"  # a CPU device: this process's CPU time, not wall time
     for timing in record.shapes:
         assert [r.variant for r in timing.results] == ["skip", "full"]
         assert all(r.error is None and r.seconds and r.max_abs_diff == 0.0 for r in timing.results)
