@@ -196,41 +196,15 @@ def run_calibrate(
     dtype: str = "auto",
     progress: bool = True,
 ) -> int:
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
-    from mlxserve.hardware.probe import probe_local
-    from mlxserve.policy.calibration_store import save_record
-
-    state_dir = resolved_state_dir(settings.server)
-    shapes, model_dtype = model_expert_shapes(settings.model)
-    sizes = sorted(set(chunks)) if chunks else engine_chunks(settings, shapes)
-    dtype_name = model_dtype if dtype == "auto" else dtype
-    profile = probe_local()
-    device = {
-        "device_type": profile.device_type,
-        "chip": profile.chip,
-        "mlx_version": profile.mlx_version,
-    }
-    runs = len(shapes) * (len(sizes) + 1) * 2 * (repeats + 1)
-    bar = tqdm(total=runs, desc="Calibrating MoE variants", unit="run", disable=not progress)
+    """The command: measure, write the record, print the verdict; exit 130 on Ctrl-C."""
     try:
-        record = calibrate(
-            shapes,
-            sizes,
-            settings.engine.max_running,
-            device=device,
-            model=settings.model,
-            dtype_name=dtype_name,
-            repeats=repeats,
-            budget_s=budget_s,
-            step=lambda: bar.update(1),
-        )
+        record = _measure(settings, chunks, repeats, budget_s, dtype, progress)
     except KeyboardInterrupt:
-        bar.close()
         print("mlxserve: calibration interrupted; no record written", file=sys.stderr)
         return EXIT_INTERRUPTED
-    bar.close()
-    path = save_record(state_dir, record)
+    from mlxserve.policy.calibration_store import save_record
+
+    path = save_record(resolved_state_dir(settings.server), record)
     verdict = record.verdict()
     print(f"calibration record: {path}")
     if verdict is None:
@@ -238,3 +212,38 @@ def run_calibrate(
     else:
         print(f"fastest safe variant: {verdict.reason(verdict.variant)}")
     return 0
+
+
+def _measure(
+    settings: Settings,
+    chunks: Sequence[int],
+    repeats: int,
+    budget_s: float,
+    dtype: str,
+    progress: bool,
+) -> CalibrationRecord:
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from mlxserve.hardware.probe import probe_local
+
+    shapes, model_dtype = model_expert_shapes(settings.model)
+    sizes = sorted(set(chunks)) if chunks else engine_chunks(settings, shapes)
+    profile = probe_local()
+    device = {
+        "device_type": profile.device_type,
+        "chip": profile.chip,
+        "mlx_version": profile.mlx_version,
+    }
+    runs = len(shapes) * (len(sizes) + 1) * 2 * (repeats + 1)
+    with tqdm(total=runs, desc="Calibrating MoE variants", unit="run", disable=not progress) as bar:
+        return calibrate(
+            shapes,
+            sizes,
+            settings.engine.max_running,
+            device=device,
+            model=settings.model,
+            dtype_name=model_dtype if dtype == "auto" else dtype,
+            repeats=repeats,
+            budget_s=budget_s,
+            step=lambda: bar.update(1),
+        )
