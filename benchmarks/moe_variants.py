@@ -26,10 +26,24 @@ sync, gathers) costs nothing beyond its padding rows.
 
 ``--quick`` (default) sweeps three small configurations, 1-3 minutes on two CPU
 cores; ``--full`` sweeps tokens 512..8192, 64..256 experts, top-k 6..8, a 1024x512
-shape and the DeepSeek-V4-Flash expert shape (K=4096, N=2048). Configurations whose
-predicted time exceeds what is left of ``--budget`` are listed as skipped.
+shape and the DeepSeek-V4-Flash expert shape (K=4096, N=2048), plus two cheap
+configurations with 65528 and 65536 rows; ``--configs`` runs exactly the ones given.
+Configurations whose predicted time exceeds what is left of ``--budget`` are listed
+as skipped.
+
+A variant that raises (issue 13: ``RuntimeError: cuGraphAddKernelNode(...) failed:
+invalid argument`` at ``mx.eval`` on MLX CUDA) is recorded in the configuration's
+``failures`` and in the document's, with the variant, the phase (warm-up or timed)
+and the shape, and the sweep goes on; each failure is also printed to stderr as it
+happens. ``--isolate`` runs every configuration in a fresh process, so one that
+kills the process or leaves the device unusable is charged to itself alone. A
+suspect, from MLX's CUDA source: the sorted call on ``[rows, 1, K]`` launches one
+grid block per row along a grid dimension that CUDA caps at 65535, so it would fail
+from ``tokens x top_k > 65535`` on (8192 tokens, top-8), while ``full``'s tiles
+batch ``rows / 64 + experts`` matrices; the 65528/65536-row pair tests exactly that.
 
     python benchmarks/moe_variants.py --quick
+    python benchmarks/moe_variants.py --configs 8191x256x8:256x128,8192x256x8:256x128 --isolate
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         python benchmarks/moe_variants.py --quick
 """
