@@ -121,8 +121,16 @@ class ServerSettings(_Section):
     request_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="Longest silence from a backend on an in-flight request before the front "
-        "treats that backend as failed and resumes the request on the next one.",
+        description="Longest time a backend may show no sign of life (no token, no finished "
+        "step) while a request waits on it before the front treats it as failed and resumes "
+        "the request on the next one. A long prefill whose steps finish is not silence.",
+    )
+    hang_floor_s: float = Field(
+        3.0,
+        gt=0,
+        description="A local engine with work whose step counter stands still for "
+        "max(hang_floor_s, 20 x the p99 of its recent steps of that kind) is declared hung: "
+        "its requests resume on the next backend at once (its own watchdog still ends it).",
     )
     drain_timeout_s: float = Field(
         30.0,

@@ -70,6 +70,7 @@ def build_backends(settings: Settings, codec: Codec) -> list[Backend]:
             },
             startup_timeout_s=server.startup_timeout_s,
             request_timeout_s=server.request_timeout_s,
+            hang_floor_s=server.hang_floor_s,
         )
     ]
     for index, fallback in enumerate(settings.fallback, start=1):
@@ -95,6 +96,7 @@ def _fallback(settings: Settings, entry: FallbackSettings, default: str, codec: 
         env={**inherited_env(), **engine_env(settings, entry.model, entry.policy), **entry.env},
         startup_timeout_s=server.startup_timeout_s,
         request_timeout_s=server.request_timeout_s,
+        hang_floor_s=server.hang_floor_s,
     )
 
 

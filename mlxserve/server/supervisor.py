@@ -45,11 +45,20 @@ INCIDENTS_KEPT = 100  # the newest; a flapping engine must not grow the front's 
 @dataclass(frozen=True)
 class Incident:
     backend: str
-    kind: str  # watchdog | crash | killed | unresponsive
+    kind: str  # watchdog | hung | crash | killed | unresponsive
     exit_code: int | None
     plan_hash: str
     at: float
     output_tail: tuple[str, ...] = ()
+
+
+def progress_timeout_s(backend: Backend) -> float:
+    """The engine's watchdog timeout, from the plan it announced (0 when unknown)."""
+    plan = backend.info.plan if backend.info is not None else None
+    try:
+        return float(plan["world"]["progress_timeout_s"]["value"]) if plan else 0.0
+    except (KeyError, TypeError, ValueError):
+        return 0.0
 
 
 def incident_kind(exit_code: int | None) -> str:
@@ -156,6 +165,8 @@ class Supervisor:
             fresh = now - backend.state.last_ok < interval
             if not backend.connected or (fresh and backend.healthy) or now < next_probe:
                 continue
+            if backend.watches_progress and backend.healthy and backend.state.in_flight:
+                continue  # busy: its step counter says whether it lives, a probe would queue
             if await self.probe(backend):
                 failed_probes = 0
                 self._healthy(backend)
@@ -170,13 +181,19 @@ class Supervisor:
                 await backend.wait_exit()
                 return
         if isinstance(backend, LocalEngine):
+            grace = EXIT_GRACE_S
+            if backend.hung is not None:  # its own watchdog should end it, with its stacks
+                grace += progress_timeout_s(backend)
             try:  # the channel closed; the process should follow
-                code = await asyncio.wait_for(backend.wait_exit(), EXIT_GRACE_S)
+                code = await asyncio.wait_for(backend.wait_exit(), grace)
             except TimeoutError:
                 backend.kill()
                 code = await backend.wait_exit()
             if not self._stopping and code is not None:
-                self._record(backend, incident_kind(code), code)
+                kind = incident_kind(code)
+                if backend.hung is not None and kind != "watchdog":
+                    kind = "hung"  # the front saw it first, and the engine never ended itself
+                self._record(backend, kind, code)
 
     def _record(self, backend: Backend, kind: str, code: int | None) -> None:
         plan_hash = backend.info.plan_hash if backend.info else "none"

@@ -31,6 +31,7 @@ from mlxserve.channel.messages import (
     Finish,
     Generate,
     Hello,
+    Progress,
     Status,
     StatusRequest,
     decode_engine,
@@ -57,6 +58,9 @@ STOP_GRACE_S = 5.0
 OUTPUT_TAIL_LINES = 80
 OUTPUT_GRACE_S = 2.0
 EXIT_USAGE = 2  # the engine's "bad settings" exit: restarting it cannot help
+HANG_P99_MULTIPLE = 20.0  # a step this many times its kind's p99 is not slow but hung
+HANG_TICK_S = 0.1  # how often the step counter is checked while requests wait
+WAIT_TICK_S = 1.0  # how often a waiting request checks the engine's signs of life
 
 _Item = BackendEvent | BackendUnavailable
 
@@ -71,12 +75,14 @@ class LocalEngine(Backend):
         env: Mapping[str, str],
         startup_timeout_s: float,
         request_timeout_s: float,
+        hang_floor_s: float = 3.0,
         python: str = sys.executable,
     ) -> None:
         super().__init__(name)
         self._env = dict(env)
         self._startup_timeout_s = startup_timeout_s
         self._request_timeout_s = request_timeout_s
+        self.hang_floor_s = hang_floor_s
         self._python = python
         self._starts = 0
         self._proc: asyncio.subprocess.Process | None = None
@@ -92,6 +98,13 @@ class LocalEngine(Backend):
         self.exit_code: int | None = None
         self.exited_at: float | None = None
         self.output_tail: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
+        # The engine's step counter as last reported, and when it last moved (monotonic).
+        self.steps = -1
+        self.step_moved_at = 0.0
+        self.expected_step_s = 0.0
+        self._busy_since = 0.0  # when the front last went from no request to some
+        #: Set when the front declared this engine hung: (wall time, seconds without a step).
+        self.hung: tuple[float, float] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -121,6 +134,8 @@ class LocalEngine(Backend):
         self._starts += 1
         self._exited = asyncio.Event()
         self.exit_code = None
+        self.hung = None
+        self.steps = -1
         self.output_tail.clear()
         self._dir = Path(tempfile.mkdtemp(prefix="mlxserve-engine-"))  # mode 0700
         socket_path = self._dir / "engine.sock"
@@ -196,6 +211,7 @@ class LocalEngine(Backend):
         self._writer = writer
         self._connected = True
         self._tasks.append(asyncio.create_task(self._read(reader), name=f"{self.name}-read"))
+        self._tasks.append(asyncio.create_task(self._watch_steps(), name=f"{self.name}-hang"))
         return hello
 
     async def stop(self) -> None:
@@ -260,6 +276,46 @@ class LocalEngine(Backend):
         tail = [line for line in self.output_tail if line.strip()][-3:]
         return (": " + " | ".join(tail)) if tail else ""
 
+    # -- hang detection --------------------------------------------------------------------
+
+    @property
+    def watches_progress(self) -> bool:
+        return True
+
+    def hang_limit_s(self) -> float:
+        """How long the step counter may stand still while requests wait."""
+        return max(self.hang_floor_s, HANG_P99_MULTIPLE * self.expected_step_s)
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds without a finished step while requests waited (0 when none waits)."""
+        if not self._streams:
+            return 0.0
+        return now - max(self.step_moved_at, self._busy_since)
+
+    async def _watch_steps(self) -> None:
+        """Declare the engine hung when it has work and its step counter stops.
+
+        Why here and not only the engine's watchdog: that one must wait out the
+        slowest legitimate step of any cluster (tens of seconds); the front knows
+        this engine's own step times and can fail over in a few seconds. The
+        engine is left to its watchdog, which dumps its stacks before it exits.
+        """
+        while self._connected:
+            await asyncio.sleep(HANG_TICK_S)
+            stalled = self.stalled_for(time.monotonic())
+            limit = self.hang_limit_s()
+            if self._connected and stalled > limit:
+                self.hung = (time.time(), stalled)
+                log.warning(
+                    "engine '%s' is hung: no step finished for %.1f s (limit %.1f s); "
+                    "its requests resume elsewhere",
+                    self.name,
+                    stalled,
+                    limit,
+                )
+                self._lost(f"hung (no step finished for {stalled:.1f} s)")
+                return
+
     # -- the channel ---------------------------------------------------------------------
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -300,6 +356,12 @@ class LocalEngine(Backend):
                     speculative=message.speculative,
                 )
             )
+        elif isinstance(message, Progress):
+            if message.steps != self.steps:
+                self.steps = message.steps
+                self.step_moved_at = time.monotonic()
+                self.proof_of_life()
+            self.expected_step_s = message.expected_step_s
         elif isinstance(message, Status):
             if self._status_waiters:
                 waiter = self._status_waiters.popleft()
@@ -342,6 +404,9 @@ class LocalEngine(Backend):
         if request_id in self._streams:
             raise ValueError(f"request id {request_id} is already in flight")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
+        started = time.monotonic()
+        if not self._streams:
+            self._busy_since = started
         self._streams[request_id] = queue
         finished = False
         self.state.in_flight += 1
@@ -360,11 +425,17 @@ class LocalEngine(Backend):
             )
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), self._request_timeout_s)
+                    item = await asyncio.wait_for(queue.get(), WAIT_TICK_S)
                 except TimeoutError:
+                    # Silence is measured on the engine, not this request: a request
+                    # queued behind a long prefill waits as long as steps finish.
+                    alive = max(self.state.last_ok, self.step_moved_at, started)
+                    if time.monotonic() - alive < self._request_timeout_s:
+                        continue
                     self.set_healthy(False)
                     raise BackendUnavailable(
-                        f"engine '{self.name}' sent nothing for {self._request_timeout_s:g} s"
+                        f"engine '{self.name}' showed no sign of life for "
+                        f"{self._request_timeout_s:g} s"
                     ) from None
                 if isinstance(item, BackendUnavailable):
                     finished = True  # nothing left to cancel on the engine side
