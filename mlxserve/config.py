@@ -166,11 +166,25 @@ class ServerSettings(_Section):
     retry_after_s: int = Field(
         1, ge=1, description="Retry-After (seconds) sent with 429 and 503 answers."
     )
+    state_dir: Path | None = Field(
+        None,
+        description="Directory of what mlxserve remembers across runs (incidents.json: the "
+        "hangs and watchdog exits the policy's incident-pinned rule reads). Default: "
+        "$MLXSERVE_CACHE_DIR, else ~/.cache/mlxserve.",
+    )
     engine_env: dict[str, str] = Field(
         default_factory=dict,
         description="Extra environment of the primary engine process. MLXSERVE_FAULT_* "
         "entries (fault injection for tests) apply to its first start only.",
     )
+
+
+def state_dir(server: "ServerSettings") -> Path:
+    """Where state that outlives a run lives: `server.state_dir`, else the user's cache."""
+    if server.state_dir is not None:
+        return server.state_dir
+    cache = os.environ.get("MLXSERVE_CACHE_DIR")
+    return Path(cache) if cache else Path.home() / ".cache" / "mlxserve"
 
 
 class FallbackSettings(_Section):

@@ -86,6 +86,8 @@ class Progress(_Message):
     busy: bool
     #: p99 duration of recent steps like the one in flight (0: none measured yet)
     expected_step_s: float = 0.0
+    #: the kind of the step in flight (prefill, decode, speculate), if one is
+    step_kind: str | None = None
 
 
 class Error(_Message):

@@ -229,7 +229,9 @@ class FrontDesk:
             if not busy and steps == sent:
                 continue
             expected = engine.step_times.expected_s(step)
-            if not link.send(Progress(steps=steps, busy=busy, expected_step_s=expected)):
+            kind = step.kind if step is not None else None
+            report = Progress(steps=steps, busy=busy, expected_step_s=expected, step_kind=kind)
+            if not link.send(report):
                 return
             sent = steps
 

@@ -3,15 +3,17 @@
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from mlxserve.cluster.discover import Membership, discover
 from mlxserve.cluster.exchange import check_same_plan
-from mlxserve.config import Settings
+from mlxserve.config import Settings, state_dir
 from mlxserve.errors import UsageError
 from mlxserve.policy.engine import evaluate
 from mlxserve.policy.overrides import collect_overrides
 from mlxserve.policy.plan import Plan
 from mlxserve.policy.rules import load_rules
+from mlxserve.reliability.incidents import IncidentRecord, IncidentStore
 
 
 def build_plan(settings: Settings) -> tuple[Plan, Membership]:
@@ -20,10 +22,26 @@ def build_plan(settings: Settings) -> tuple[Plan, Membership]:
     ruleset = load_rules(settings.policy.rules_dir)
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
     membership = discover(settings.cluster)
-    plan = evaluate(membership.cluster, ruleset, overrides)
+    if membership.group is None:
+        incidents = IncidentStore(state_dir(settings.server)).load()
+    else:
+        incidents = _rank_0s(membership.group, settings)
+    plan = evaluate(membership.cluster, ruleset, overrides, incidents)
     if membership.group is not None:
         check_same_plan(membership.group, plan.plan_hash)
     return plan, membership
+
+
+def _rank_0s(group: Any, settings: Settings) -> list[IncidentRecord]:
+    """Rank 0's incident memory on every rank: its front writes it, and plans must agree."""
+    from mlxserve.cluster.broadcast import broadcast_bytes
+
+    payload = None
+    if group.rank() == 0:
+        incidents = IncidentStore(state_dir(settings.server)).load()
+        payload = json.dumps([r.model_dump(mode="json") for r in incidents]).encode()
+    received = json.loads(broadcast_bytes(group, payload) or b"[]")
+    return [IncidentRecord.model_validate(item) for item in received]
 
 
 def check_plan(settings: Settings) -> None:
@@ -36,8 +54,9 @@ def check_plan(settings: Settings) -> None:
     """
     ruleset = load_rules(settings.policy.rules_dir)
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
+    incidents = IncidentStore(state_dir(settings.server)).load()
     if settings.cluster.simulate or "MLX_RANK" not in os.environ:
-        plan = evaluate(discover(settings.cluster).cluster, ruleset, overrides)
+        plan = evaluate(discover(settings.cluster).cluster, ruleset, overrides, incidents)
         plan.ensure_startable()
         return
     world = launched_world_size()

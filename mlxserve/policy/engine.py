@@ -6,23 +6,36 @@ result never depends on file order). Overrides then replace values and are
 recorded; an override that contradicts a hazard rule adds a warning naming it.
 """
 
+from collections.abc import Sequence
+
 from mlxserve.cluster.composition import Cluster
 from mlxserve.errors import UsageError
 from mlxserve.policy.conditions import conditions_hold
 from mlxserve.policy.decisions import DECISIONS, DecisionSpec
 from mlxserve.policy.plan import OVERRIDE_RULE, Decision, Override, Plan, RankPlan, Warning_
 from mlxserve.policy.rules import Rule, RuleSet
+from mlxserve.reliability.incidents import IncidentRecord, latest_for
 
 
-def evaluate(cluster: Cluster, ruleset: RuleSet, overrides: list[Override]) -> Plan:
+def evaluate(
+    cluster: Cluster,
+    ruleset: RuleSet,
+    overrides: list[Override],
+    incidents: Sequence[IncidentRecord] = (),
+) -> Plan:
+    """The plan; `incidents` is the incident memory (rules with `when.incident` read it)."""
     by_id = {rule.id: rule for rule in ruleset.rules}
+    incident = latest_for(list(incidents), cluster.composition, [p.chip for p in cluster.ranks])
+    pinned = incident is not None
     warnings: list[Warning_] = []
     ranks = []
     for rank, profile in enumerate(cluster.ranks):
         matching = [
-            r for r in ruleset.rules if r.scope == "rank" and conditions_hold(r.when, cluster, rank)
+            r
+            for r in ruleset.rules
+            if r.scope == "rank" and conditions_hold(r.when, cluster, rank, pinned)
         ]
-        decisions = _decide(matching, "rank", f"rank {rank}")
+        decisions = _decide(matching, "rank", f"rank {rank}", incident)
         warnings += [
             Warning_(rule=r.id, message=f"rank {rank}: {r.warn}")
             for r in sorted(matching, key=lambda r: r.id)
@@ -30,9 +43,11 @@ def evaluate(cluster: Cluster, ruleset: RuleSet, overrides: list[Override]) -> P
         ]
         ranks.append(RankPlan(rank=rank, profile=profile.summary(), decisions=decisions))
     matching_world = [
-        r for r in ruleset.rules if r.scope == "world" and conditions_hold(r.when, cluster, None)
+        r
+        for r in ruleset.rules
+        if r.scope == "world" and conditions_hold(r.when, cluster, None, pinned)
     ]
-    world = _decide(matching_world, "world", "the cluster")
+    world = _decide(matching_world, "world", "the cluster", incident)
     for rule in sorted(matching_world, key=lambda r: r.id):
         if rule.warn:
             warnings.append(Warning_(rule=rule.id, message=rule.warn))
@@ -53,7 +68,21 @@ def evaluate(cluster: Cluster, ruleset: RuleSet, overrides: list[Override]) -> P
     return plan.with_hash()
 
 
-def _decide(matching: list[Rule], scope: str, target: str) -> dict[str, Decision]:
+def _reason(rule: Rule, incident: IncidentRecord | None) -> str:
+    """The rule's reason; an incident rule's names the incident it read."""
+    if not rule.when.incident or incident is None:
+        return rule.reason
+    return rule.reason.format(
+        incident_at=incident.when(),
+        incident_plan=incident.plan_hash[:12],
+        incident_kind=incident.kind,
+        incident_step=incident.step_kind or "unknown",
+    )
+
+
+def _decide(
+    matching: list[Rule], scope: str, target: str, incident: IncidentRecord | None
+) -> dict[str, Decision]:
     decisions = {}
     for key, spec in DECISIONS.items():
         if spec.scope != scope:
@@ -62,7 +91,9 @@ def _decide(matching: list[Rule], scope: str, target: str) -> dict[str, Decision
         if not candidates:
             raise UsageError(f"no rule decides {key} for {target}; add a default rule for it")
         winner = min(candidates, key=lambda r: (-r.priority, r.id))
-        decisions[key] = Decision(value=winner.decided(key), rule=winner.id, reason=winner.reason)
+        decisions[key] = Decision(
+            value=winner.decided(key), rule=winner.id, reason=_reason(winner, incident)
+        )
     return decisions
 
 

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from mlxserve.config import FallbackSettings, Settings
+from mlxserve.config import FallbackSettings, Settings, state_dir
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import Backend
 from mlxserve.server.backends.local import LocalEngine
@@ -45,6 +45,8 @@ def engine_env(settings: Settings, model: str, overrides: list[str] | None) -> d
         data["policy"]["overrides"] = overrides
     env = {f"MLXSERVE_{name.upper()}": json.dumps(data[name]) for name in ENGINE_SECTIONS}
     env["MLXSERVE_MODEL"] = model
+    # The plan reads the incident memory the front writes: the same place for both.
+    env["MLXSERVE_SERVER__STATE_DIR"] = str(state_dir(settings.server))
     return env
 
 

@@ -20,7 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxserve.config import ServerSettings
+from mlxserve.config import ServerSettings, state_dir
+from mlxserve.errors import UsageError
+from mlxserve.reliability.incidents import REMEMBERED, IncidentStore, from_plan
 from mlxserve.server.backends.base import (
     Backend,
     BackendRefused,
@@ -201,6 +203,8 @@ class Supervisor:
         at = getattr(backend, "exited_at", None) if code is not None else None
         incident = Incident(backend.name, kind, code, plan_hash, at or time.time(), tail)
         self.incidents.append(incident)
+        if kind in REMEMBERED and backend.info is not None and backend.info.plan:
+            self._remember(backend, incident)
         self.metrics.incidents.labels(backend.name, kind, plan_hash[:12]).inc()
         last = " | ".join(line for line in tail[-5:] if line.strip())
         log.error(
@@ -215,6 +219,25 @@ class Supervisor:
         self.console.say(
             f"incident: backend '{backend.name}' {kind}{exit_note}, plan {plan_hash[:12]}"
         )
+
+    def _remember(self, backend: Backend, incident: Incident) -> None:
+        """Write the incident to the memory the next plan reads (rule incident-pinned)."""
+        assert backend.info is not None and backend.info.plan is not None
+        step_kind = backend.step_kind if isinstance(backend, LocalEngine) else None
+        record = from_plan(
+            backend.info.plan,
+            kind=incident.kind,
+            backend=backend.name,
+            at=incident.at,
+            step_kind=step_kind,
+        )
+        store = IncidentStore(state_dir(self.settings))
+        try:
+            store.append(record)
+        except (OSError, UsageError) as exc:  # memory is a help, not a reason to stop serving
+            log.error("cannot remember the incident in %s: %s", store.path, exc)
+            return
+        log.info("incident remembered in %s", store.path)
 
     async def probe(self, backend: Backend) -> bool:
         """A real one-token generation within `ready_timeout_s`."""

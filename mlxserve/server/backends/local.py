@@ -102,6 +102,7 @@ class LocalEngine(Backend):
         self.steps = -1
         self.step_moved_at = 0.0
         self.expected_step_s = 0.0
+        self.step_kind: str | None = None  # of the last step reported in flight
         self._busy_since = 0.0  # when the front last went from no request to some
         #: Set when the front declared this engine hung: (wall time, seconds without a step).
         self.hung: tuple[float, float] | None = None
@@ -136,6 +137,7 @@ class LocalEngine(Backend):
         self.exit_code = None
         self.hung = None
         self.steps = -1
+        self.step_kind = None
         self.output_tail.clear()
         self._dir = Path(tempfile.mkdtemp(prefix="mlxserve-engine-"))  # mode 0700
         socket_path = self._dir / "engine.sock"
@@ -362,6 +364,8 @@ class LocalEngine(Backend):
                 self.step_moved_at = time.monotonic()
                 self.proof_of_life()
             self.expected_step_s = message.expected_step_s
+            if message.step_kind is not None:
+                self.step_kind = message.step_kind
         elif isinstance(message, Status):
             if self._status_waiters:
                 waiter = self._status_waiters.popleft()
