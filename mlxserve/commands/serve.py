@@ -77,8 +77,9 @@ def check_engines(settings: Settings) -> None:
         if entry.model is None:
             continue
         policy = settings.policy.model_copy(update={"overrides": entry.policy})
+        cluster = settings.cluster.model_copy(update={"hosts": entry.hosts})
         try:
-            check_plan(settings.model_copy(update={"policy": policy}))
+            check_plan(settings.model_copy(update={"policy": policy, "cluster": cluster}))
         except UsageError as exc:
             raise UsageError(f"fallback '{entry.name or f'fallback{index}'}': {exc}") from None
 

@@ -55,11 +55,12 @@ def check_plan(settings: Settings) -> None:
     ruleset = load_rules(settings.policy.rules_dir)
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
     incidents = IncidentStore(state_dir(settings.server)).load()
-    if settings.cluster.simulate or "MLX_RANK" not in os.environ:
+    group = settings.cluster.hosts  # a group the front starts: planned once it has joined
+    if settings.cluster.simulate or ("MLX_RANK" not in os.environ and not group):
         plan = evaluate(discover(settings.cluster).cluster, ruleset, overrides, incidents)
         plan.ensure_startable()
         return
-    world = launched_world_size()
+    world = len(group) if group else launched_world_size()
     for override in overrides:
         if world is not None and override.rank is not None and override.rank >= world:
             raise UsageError(

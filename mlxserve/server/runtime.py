@@ -7,12 +7,15 @@ stops it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from mlxserve.cluster.launch import launcher_command
 from mlxserve.config import FallbackSettings, Settings, state_dir
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import Backend
@@ -73,6 +76,7 @@ def build_backends(settings: Settings, codec: Codec) -> list[Backend]:
             startup_timeout_s=server.startup_timeout_s,
             request_timeout_s=server.request_timeout_s,
             hang_floor_s=server.hang_floor_s,
+            launcher=group_launcher(settings, settings.cluster.hosts),
         )
     ]
     for index, fallback in enumerate(settings.fallback, start=1):
@@ -99,7 +103,18 @@ def _fallback(settings: Settings, entry: FallbackSettings, default: str, codec: 
         startup_timeout_s=server.startup_timeout_s,
         request_timeout_s=server.request_timeout_s,
         hang_floor_s=server.hang_floor_s,
+        launcher=group_launcher(settings, entry.hosts),
     )
+
+
+def group_launcher(
+    settings: Settings, hosts: list[str]
+) -> Callable[[Mapping[str, str]], list[str]] | None:
+    """For a backend on several hosts: how to launch its group (None: a single engine)."""
+    if not hosts:
+        return None
+    backend = "ring" if settings.cluster.backend == "auto" else settings.cluster.backend
+    return functools.partial(launcher_command, hosts, backend)
 
 
 class Runtime:

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -65,6 +65,15 @@ WAIT_TICK_S = 1.0  # how often a waiting request checks the engine's signs of li
 _Item = BackendEvent | BackendUnavailable
 
 
+def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    """Signal the child's whole process group: the engine, or a launcher and its ranks.
+
+    The child leads a session of its own, so its group is exactly what it started.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
 class LocalEngine(Backend):
     kind = "local"
 
@@ -77,8 +86,14 @@ class LocalEngine(Backend):
         request_timeout_s: float,
         hang_floor_s: float = 3.0,
         python: str = sys.executable,
+        launcher: Callable[[Mapping[str, str]], list[str]] | None = None,
     ) -> None:
         super().__init__(name)
+        #: For a tensor-parallel group: the launcher command the engine command follows
+        #: (`mlxserve.cluster.launch ... --`), made afresh at each start.
+        self._launcher = launcher
+        if launcher is not None:
+            self.kind = "group"
         self._env = dict(env)
         self._startup_timeout_s = startup_timeout_s
         self._request_timeout_s = request_timeout_s
@@ -141,16 +156,17 @@ class LocalEngine(Backend):
         self.output_tail.clear()
         self._dir = Path(tempfile.mkdtemp(prefix="mlxserve-engine-"))  # mode 0700
         socket_path = self._dir / "engine.sock"
+        env = self.child_env()
+        command = [self._python, "-m", "mlxserve.engine.process", "--socket", str(socket_path)]
+        if self._launcher is not None:
+            command = [*self._launcher(env), "--", *command]
         self._proc = await asyncio.create_subprocess_exec(
-            self._python,
-            "-m",
-            "mlxserve.engine.process",
-            "--socket",
-            str(socket_path),
-            stdin=asyncio.subprocess.DEVNULL,
+            *command,
+            # A launcher polls its stdin: a pipe nobody writes keeps that poll asleep.
+            stdin=asyncio.subprocess.PIPE if self._launcher else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env=self.child_env(),
+            env=env,
             start_new_session=True,
         )
         self._relay = asyncio.create_task(
@@ -220,13 +236,11 @@ class LocalEngine(Backend):
         self._stopping = True
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+            _signal_group(proc, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                _signal_group(proc, signal.SIGKILL)
                 await proc.wait()
         self._lost("stopped")
         if self._writer is not None:
@@ -250,8 +264,7 @@ class LocalEngine(Backend):
     def kill(self) -> None:
         """Kill the process (an unresponsive engine); the exit path does the rest."""
         if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
+            _signal_group(self._proc, signal.SIGKILL)
 
     # -- the child's output and exit --------------------------------------------------
 
@@ -266,6 +279,8 @@ class LocalEngine(Backend):
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
         self.exited_at = time.time()
+        if self._launcher is not None:  # ranks of this host left behind by a killed launcher
+            _signal_group(proc, signal.SIGKILL)
         # Let the output relay catch the last lines (e.g. the watchdog's diagnostic).
         if self._relay is not None:
             with contextlib.suppress(TimeoutError):
