@@ -104,9 +104,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def serve(runtime: Runtime, listener: socket.socket) -> int:
     from mlxserve.server.app import create_app
+    from mlxserve.server.nodelay import NoDelayH11Protocol
 
     config = uvicorn.Config(
         create_app(runtime),
+        http=NoDelayH11Protocol,
         log_level="warning",
         access_log=False,
         lifespan="off",

@@ -113,8 +113,15 @@ class _Signals:
             raise _StopRequested
 
 
+#: GIL hand-off interval in the engine process. A token crosses three threads here
+#: (socket reader, engine loop, forwarder); at Python's default of 5 ms a woken
+#: thread may wait that long for a busy one, several times per request.
+SWITCH_INTERVAL_S: Final = 0.0005
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     signals = _Signals()
     signals.install()
     try:
