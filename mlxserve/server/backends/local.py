@@ -444,7 +444,10 @@ class LocalEngine(Backend):
             )
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), WAIT_TICK_S)
+                    # asyncio.timeout, not wait_for: no task per token (3.11's wait_for
+                    # wraps the get in one, an event-loop turn on every token).
+                    async with asyncio.timeout(WAIT_TICK_S):
+                        item = await queue.get()
                 except TimeoutError:
                     # Silence is measured on the engine, not this request: a request
                     # queued behind a long prefill waits as long as steps finish.
