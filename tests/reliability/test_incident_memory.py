@@ -9,6 +9,7 @@ and `--clear` forgets it.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -45,6 +46,7 @@ def cli(*args: str, config_path: Path) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "mlxserve", "policy", *args, "--config", str(config_path)],
         cwd=REPO,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MLXSERVE_")},
         capture_output=True,
         text=True,
         timeout=60,
