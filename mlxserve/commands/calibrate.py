@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from mlxserve.config import Settings, resolved_state_dir
+from mlxserve.config import Settings, state_dir
 from mlxserve.errors import UsageError
 from mlxserve.kernels.timing import ExpertShape
 from mlxserve.policy.calibration import CalibrationRecord, ShapeTiming, VariantTiming
@@ -204,7 +204,7 @@ def run_calibrate(
         return EXIT_INTERRUPTED
     from mlxserve.policy.calibration_store import save_record
 
-    path = save_record(resolved_state_dir(settings.server), record)
+    path = save_record(state_dir(settings.server), record)
     verdict = record.verdict()
     print(f"calibration record: {path}")
     if verdict is None:

@@ -80,8 +80,9 @@ def check_engines(settings: Settings) -> None:
         if entry.model is None:
             continue
         policy = settings.policy.model_copy(update={"overrides": entry.policy})
+        cluster = settings.cluster.model_copy(update={"hosts": entry.hosts})
         try:
-            check_plan(settings.model_copy(update={"policy": policy}))
+            check_plan(settings.model_copy(update={"policy": policy, "cluster": cluster}))
         except UsageError as exc:
             raise UsageError(f"fallback '{entry.name or f'fallback{index}'}': {exc}") from None
 
@@ -106,9 +107,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def serve(runtime: Runtime, listener: socket.socket) -> int:
     from mlxserve.server.app import create_app
+    from mlxserve.server.nodelay import NoDelayH11Protocol
 
     config = uvicorn.Config(
         create_app(runtime),
+        http=NoDelayH11Protocol,
         log_level="warning",
         access_log=False,
         lifespan="off",
