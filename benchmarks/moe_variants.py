@@ -26,10 +26,24 @@ sync, gathers) costs nothing beyond its padding rows.
 
 ``--quick`` (default) sweeps three small configurations, 1-3 minutes on two CPU
 cores; ``--full`` sweeps tokens 512..8192, 64..256 experts, top-k 6..8, a 1024x512
-shape and the DeepSeek-V4-Flash expert shape (K=4096, N=2048). Configurations whose
-predicted time exceeds what is left of ``--budget`` are listed as skipped.
+shape and the DeepSeek-V4-Flash expert shape (K=4096, N=2048), plus two cheap
+configurations with 65528 and 65536 rows; ``--configs`` runs exactly the ones given.
+Configurations whose predicted time exceeds what is left of ``--budget`` are listed
+as skipped.
+
+A variant that raises (issue 13: ``RuntimeError: cuGraphAddKernelNode(...) failed:
+invalid argument`` at ``mx.eval`` on MLX CUDA) is recorded in the configuration's
+``failures`` and in the document's, with the variant, the phase (warm-up or timed)
+and the shape, and the sweep goes on; each failure is also printed to stderr as it
+happens. ``--isolate`` runs every configuration in a fresh process, so one that
+kills the process or leaves the device unusable is charged to itself alone. A
+suspect, from MLX's CUDA source: the sorted call on ``[rows, 1, K]`` launches one
+grid block per row along a grid dimension that CUDA caps at 65535, so it would fail
+from ``tokens x top_k > 65535`` on (8192 tokens, top-8), while ``full``'s tiles
+batch ``rows / 64 + experts`` matrices; the 65528/65536-row pair tests exactly that.
 
     python benchmarks/moe_variants.py --quick
+    python benchmarks/moe_variants.py --configs 8191x256x8:256x128,8192x256x8:256x128 --isolate
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \\
         python benchmarks/moe_variants.py --quick
 """
@@ -42,6 +56,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -201,7 +216,25 @@ def sweep(full: bool) -> list[Config]:
         for tokens in (512, 2048, 8192)
         for experts, top_k in ((64, 8), (128, 8), (256, 6), (256, 8))
     ]
+    # rows = tokens x top_k just under and at 2^16: a kernel that puts one row per
+    # grid block in y or z (CUDA's limit: 65535) fails at the second and not the first.
+    configs += [Config(tokens, 256, 8, *TINY) for tokens in (8191, 8192)]
     return sorted(configs, key=lambda cfg: cfg.gflop)
+
+
+def parse_configs(text: str) -> list[Config]:
+    """``TOKENSxEXPERTSxTOPK:KxN[:GROUP]``, comma-separated (e.g. ``8192x256x8:1024x512``)."""
+    configs = []
+    for item in text.split(","):
+        try:
+            route, dims, *group = item.strip().split(":")
+            tokens, experts, top_k = (int(v) for v in route.split("x"))
+            in_dims, out_dims = (int(v) for v in dims.split("x"))
+            group_size = int(group[0]) if group else (64 if in_dims <= 1024 else 32)
+        except ValueError:
+            raise SystemExit(f"moe_variants.py: error: bad --configs entry {item!r}") from None
+        configs.append(Config(tokens, experts, top_k, in_dims, out_dims, group_size=group_size))
+    return configs
 
 
 def quantized_layer(
@@ -280,6 +313,13 @@ def forget_caches() -> None:
 def time_config(
     cfg: Config, variants: dict[str, type[QuantizedSwitchLinear]], repeats: int, dtype: mx.Dtype
 ) -> dict[str, Any]:
+    """Time every variant on one configuration; a variant that raises is recorded, not fatal.
+
+    MLX reports a kernel the device refuses (issue 13: ``cuGraphAddKernelNode(...)
+    failed: invalid argument`` on CUDA) as a RuntimeError at ``mx.eval``: it goes into
+    ``failures`` with the variant, the phase and the configuration, and that variant is
+    left out of the timed rounds while the others go on.
+    """
     block = quantized_block(cfg, dtype, seed=cfg.tokens + cfg.experts)
     x = mx.random.normal((1, cfg.tokens, cfg.in_dims), key=mx.random.key(7)).astype(dtype)
     indices = routing(cfg, seed=cfg.experts).reshape(1, cfg.tokens, cfg.top_k)
@@ -293,18 +333,36 @@ def time_config(
         mx.eval(y)
         return time.perf_counter() - wall, time.process_time() - cpu, y
 
+    failures: list[dict[str, Any]] = []
+
+    def failed(name: str, phase: str, exc: Exception) -> None:
+        failure = {"variant": name, "phase": phase, "error": f"{type(exc).__name__}: {exc}"}
+        failures.append({**failure, **asdict(cfg), "rows": cfg.rows})
+        print(json.dumps({"failure": failures[-1]}), file=sys.stderr, flush=True)
+
     reference = None
     max_abs_diff: dict[str, float] = {}
     for name, cls in variants.items():  # warm-up, and check every variant agrees
-        *_, y = run(cls)
-        if reference is None:
+        try:
+            *_, y = run(cls)
+        except Exception as exc:  # any failure of a variant is a result
+            failed(name, "warm-up", exc)
+            continue
+        if reference is None and name == "skip":
             reference = y
-        max_abs_diff[name] = float(mx.max(mx.abs(y - reference)).item())
-    walls: dict[str, list[float]] = {name: [] for name in variants}
-    cpus: dict[str, list[float]] = {name: [] for name in variants}
+        if reference is not None:
+            max_abs_diff[name] = float(mx.max(mx.abs(y - reference)).item())
+    ran = [name for name in variants if not any(f["variant"] == name for f in failures)]
+    walls: dict[str, list[float]] = {name: [] for name in ran}
+    cpus: dict[str, list[float]] = {name: [] for name in ran}
     for _ in range(repeats):
-        for name, cls in variants.items():
-            wall, cpu, _ = run(cls)
+        for name in list(walls):
+            try:
+                wall, cpu, _ = run(variants[name])
+            except Exception as exc:
+                failed(name, "timed", exc)
+                del walls[name], cpus[name]
+                continue
             walls[name].append(wall)
             cpus[name].append(cpu)
     seconds = {name: statistics.median(t) for name, t in walls.items()}
@@ -312,22 +370,27 @@ def time_config(
     # whatever else the machine runs (wall time is kept for GPUs).
     cpu_seconds = {name: statistics.median(t) for name, t in cpus.items()}
     work = mma_rows(indices, cfg)
-    # The CPU's gather_qmm costs the same per row with or without sorting, so
-    # full's time over skip's, per row computed, isolates what the tiling adds
-    # (layout, host sync, two gathers): 1.0 means nothing.
-    per_row = (cpu_seconds["full"] / work["full"]) / (cpu_seconds["skip"] / work["rows"])
-    return {
+    result: dict[str, Any] = {
         **asdict(cfg),
+        "rows": cfg.rows,
         "dtype": args_dtype(dtype),
         "seconds": rounded(seconds, 4),
-        "ratio_to_skip": rounded(ratios(seconds), 3),
         "cpu_seconds": rounded(cpu_seconds, 4),
-        "cpu_ratio_to_skip": rounded(ratios(cpu_seconds), 3),
-        "cpu_full_overhead_per_row": round(per_row, 3),
         "gpu_mma_rows": work,
         "gpu_mma_ratio_full_to_skip": round(work["full"] / work["skip"], 3),
         "max_abs_diff_to_skip": max_abs_diff,
+        "failures": failures,
     }
+    if "skip" in seconds:
+        result["ratio_to_skip"] = rounded(ratios(seconds), 3)
+        result["cpu_ratio_to_skip"] = rounded(ratios(cpu_seconds), 3)
+    if "skip" in cpu_seconds and "full" in cpu_seconds:
+        # The CPU's gather_qmm costs the same per row with or without sorting, so
+        # full's time over skip's, per row computed, isolates what the tiling adds
+        # (layout, host sync, two gathers): 1.0 means nothing.
+        per_row = (cpu_seconds["full"] / work["full"]) / (cpu_seconds["skip"] / work["rows"])
+        result["cpu_full_overhead_per_row"] = round(per_row, 3)
+    return result
 
 
 def ratios(seconds: dict[str, float]) -> dict[str, float]:
@@ -352,46 +415,120 @@ def predict_seconds(
     return cfg.gflop / gflops * scale * (repeats + 1)
 
 
+def device_facts() -> dict[str, Any]:
+    """Which device and MLX build the numbers come from."""
+    info = {str(k): v for k, v in mx.device_info().items() if isinstance(v, str | int | float)}
+    cuda = getattr(mx, "cuda", None)
+    backend = "cpu"
+    if cuda is not None and cuda.is_available():
+        backend = "cuda"
+    elif mx.metal.is_available():
+        backend = "metal"
+    return {
+        "mlx": mx.__version__,
+        "backend": backend,
+        "device": str(mx.default_device()),
+        "device_info": info,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+    }
+
+
+def run_isolated(cfg: Config, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """One configuration in a fresh process: a crash that takes the process (or leaves
+    the device unusable) is recorded against this configuration only."""
+    command = [
+        sys.executable,
+        __file__,
+        "--one",
+        json.dumps(asdict(cfg)),
+        "--repeats",
+        str(args.repeats),
+        "--dtype",
+        args.dtype,
+    ]
+    if args.no_candidates:
+        command.append("--no-candidates")
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=max(timeout, 10))
+    except subprocess.TimeoutExpired:
+        error = f"no result within {max(timeout, 10):.0f} s (the rest of the budget)"
+        return {**asdict(cfg), "rows": cfg.rows, "failures": [{"variant": None, "error": error}]}
+    sys.stderr.write(done.stderr)
+    if done.returncode == 0:
+        result: dict[str, Any] = json.loads(done.stdout)
+        return result
+    tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+    error = f"process exited with {done.returncode}: {tail}"
+    return {**asdict(cfg), "rows": cfg.rows, "failures": [{"variant": None, "error": error}]}
+
+
+def run_config(
+    cfg: Config, variants: dict[str, type[QuantizedSwitchLinear]], args: argparse.Namespace
+) -> dict[str, Any]:
+    """`time_config`, with a failure outside the variants (say, building the weights)
+    recorded against the configuration."""
+    try:
+        return time_config(cfg, variants, args.repeats, getattr(mx, args.dtype))
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        return {**asdict(cfg), "rows": cfg.rows, "failures": [{"variant": None, "error": error}]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sweep (default)")
     size.add_argument("--full", action="store_true", help="tokens 512..8192, V4-Flash shape")
+    size.add_argument(
+        "--configs", help="only these: TOKENSxEXPERTSxTOPK:KxN[:GROUP], comma-separated"
+    )
+    size.add_argument("--one", help=argparse.SUPPRESS)  # a child of --isolate: one Config
     parser.add_argument("--budget", type=float, help="seconds to spend (default 300 / 3600)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per config")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--no-candidates", action="store_true", help="only skip and full")
+    parser.add_argument(
+        "--isolate", action="store_true", help="run each configuration in its own process"
+    )
     args = parser.parse_args(argv)
 
-    budget = args.budget if args.budget is not None else (3600.0 if args.full else 300.0)
-    dtype = getattr(mx, args.dtype)
     variants = dict(VARIANTS) if args.no_candidates else {**VARIANTS, **CANDIDATES}
+    if args.one:
+        print(json.dumps(run_config(Config(**json.loads(args.one)), variants, args)))
+        return 0
+    budget = args.budget if args.budget is not None else (3600.0 if args.full else 300.0)
+    configs = parse_configs(args.configs) if args.configs else sweep(args.full)
     began = time.perf_counter()
     gflops: float | None = None  # measured skip throughput, to predict the next config
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
-    for cfg in sweep(args.full):
+    for cfg in configs:
         left = budget - (time.perf_counter() - began)
         predicted = None if gflops is None else predict_seconds(cfg, variants, args.repeats, gflops)
         if predicted is not None and predicted > left:
             skipped.append({**asdict(cfg), "predicted_s": round(predicted, 1)})
             continue
-        result = time_config(cfg, variants, args.repeats, dtype)
-        gflops = cfg.gflop / max(result["seconds"]["skip"], 1e-9)
-        result["skip_gflops"] = round(gflops, 2)
+        result = run_isolated(cfg, args, left) if args.isolate else run_config(cfg, variants, args)
+        skip_seconds = result.get("seconds", {}).get("skip")
+        if skip_seconds:
+            gflops = cfg.gflop / max(skip_seconds, 1e-9)
+            result["skip_gflops"] = round(gflops, 2)
         results.append(result)
         print(json.dumps(result), file=sys.stderr, flush=True)
+    failures = [f for result in results for f in result.get("failures", [])]
     document = {
-        "mlx": mx.__version__,
-        "device": str(mx.default_device()),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "ld_preload": os.environ.get("LD_PRELOAD"),
-        "sweep": "full" if args.full else "quick",
+        **device_facts(),
+        "sweep": "configs" if args.configs else ("full" if args.full else "quick"),
+        "isolated": args.isolate,
+        "dtype": args.dtype,
         "repeats": args.repeats,
         "row_tile": ROW_TILE,
         "budget_s": budget,
         "elapsed_s": round(time.perf_counter() - began, 1),
+        "failures": failures,
         "results": results,
         "skipped": skipped,
     }

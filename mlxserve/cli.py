@@ -168,6 +168,32 @@ def _add_calibrate(policy_commands: Any) -> None:
     calibrate.set_defaults(handler=_cmd_policy_calibrate)
 
 
+def _cmd_policy_incidents(args: argparse.Namespace) -> int:
+    from mlxserve.config import load_settings, state_dir
+    from mlxserve.reliability.incidents import IncidentStore
+
+    settings = load_settings(args.config, _cli_settings(args))
+    store = IncidentStore(state_dir(settings.server))
+    if args.clear:
+        print(f"cleared {store.clear()} incident(s) from {store.path}")
+        return 0
+    records = store.load()
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in records], indent=2))
+        return 0
+    if not records:
+        print(f"no incidents remembered ({store.path})")
+        return 0
+    print(f"{len(records)} incident(s) remembered in {store.path}, newest last:")
+    for r in records:
+        nax = ",".join(str(d.get("nax_moe", "?")) for d in r.decisions.get("ranks", []))
+        print(
+            f"  {r.when()}  {r.kind:<8} backend {r.backend}  plan {r.plan_hash[:12]}  "
+            f"{r.composition} [{', '.join(r.chips)}]  nax_moe {nax}  step {r.step_kind or '?'}"
+        )
+    return 0
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from mlxserve.commands.generate import run_generate
     from mlxserve.config import load_settings
@@ -266,6 +292,13 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--json", action="store_true", help="print the plan as JSON")
     explain.set_defaults(handler=_cmd_policy_explain)
     _add_calibrate(policy_commands)
+    incidents = policy_commands.add_parser(
+        "incidents", help="list (or --clear) the remembered hangs the plan reads"
+    )
+    incidents.add_argument("--config", type=Path, help="config file (TOML); see config.toml")
+    incidents.add_argument("--json", action="store_true", help="print the records as JSON")
+    incidents.add_argument("--clear", action="store_true", help="forget every incident")
+    incidents.set_defaults(handler=_cmd_policy_incidents)
     _add_generate(commands)
     _add_serve(commands)
     _add_demo_model(commands)

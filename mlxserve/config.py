@@ -11,7 +11,14 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -26,6 +33,22 @@ from mlxserve.hardware.simulate import SimulatedRank
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def check_group_hosts(hosts: list[str]) -> None:
+    """A group mlxserve starts: two or more hosts, rank 0 on this machine (its socket)."""
+    if not hosts:
+        return
+    if len(hosts) < 2:
+        raise ValueError("a group needs two or more hosts (one host is a plain local engine)")
+    if hosts[0] not in LOCAL_HOSTS:
+        raise ValueError(
+            f"the first host runs rank 0, which the front reaches over a unix socket: it must "
+            f"be this machine ({', '.join(LOCAL_HOSTS)}), got {hosts[0]!r}"
+        )
 
 
 class PolicySettings(_Section):
@@ -65,6 +88,25 @@ class ClusterSettings(_Section):
         description="Links per direction between neighbouring ranks (ring backend). "
         "0: read it from MLX_HOSTFILE, else 1.",
     )
+    hosts: list[str] = Field(
+        default_factory=list,
+        description="Run the primary as a tensor-parallel group that mlxserve starts itself "
+        "with mlx.launch's machinery (its --hosts; ring or jaccl per `backend`), supervises "
+        "and restarts whole. The first host must be this machine (127.0.0.1 or localhost); "
+        "empty: a single local engine (or the group `mlx.launch` started this process in).",
+    )
+
+    @field_validator("hosts")
+    @classmethod
+    def _group_hosts(cls, hosts: list[str]) -> list[str]:
+        check_group_hosts(hosts)
+        return hosts
+
+    @model_validator(mode="after")
+    def _real_or_simulated(self) -> "ClusterSettings":
+        if self.hosts and self.simulate:
+            raise ValueError("hosts (a real group) and simulate (a planned one) exclude each other")
+        return self
 
 
 class EngineSettings(_Section):
@@ -133,8 +175,16 @@ class ServerSettings(_Section):
     request_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="Longest silence from a backend on an in-flight request before the front "
-        "treats that backend as failed and resumes the request on the next one.",
+        description="Longest time a backend may show no sign of life (no token, no finished "
+        "step) while a request waits on it before the front treats it as failed and resumes "
+        "the request on the next one. A long prefill whose steps finish is not silence.",
+    )
+    hang_floor_s: float = Field(
+        3.0,
+        gt=0,
+        description="A local engine with work whose step counter stands still for "
+        "max(hang_floor_s, 20 x the p99 of its recent steps of that kind) is declared hung: "
+        "its requests resume on the next backend at once (its own watchdog still ends it).",
     )
     drain_timeout_s: float = Field(
         30.0,
@@ -172,9 +222,10 @@ class ServerSettings(_Section):
     )
     state_dir: Path | None = Field(
         None,
-        description="Directory for what mlxserve learns about this machine (e.g. "
-        "`mlxserve policy calibrate`'s records); default: $MLXSERVE_CACHE_DIR, else "
-        "~/.cache/mlxserve.",
+        description="Directory of what mlxserve remembers across runs: `mlxserve policy "
+        "calibrate`'s records (read by the speed rule) and incidents.json (the hangs "
+        "and watchdog exits the incident-pinned rule reads). Default: "
+        "$MLXSERVE_CACHE_DIR, else ~/.cache/mlxserve.",
     )
     engine_env: dict[str, str] = Field(
         default_factory=dict,
@@ -183,12 +234,13 @@ class ServerSettings(_Section):
     )
 
 
-def resolved_state_dir(server: ServerSettings) -> Path:
-    """`server.state_dir`, or the default: `$MLXSERVE_CACHE_DIR`, else `~/.cache/mlxserve`."""
+def state_dir(server: "ServerSettings") -> Path:
+    """Where state that outlives a run lives: `server.state_dir`, else the user's cache
+    (`$MLXSERVE_CACHE_DIR`, else `~/.cache/mlxserve`)."""
     if server.state_dir is not None:
         return server.state_dir.expanduser()
-    env = os.environ.get("MLXSERVE_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "mlxserve"
+    cache = os.environ.get("MLXSERVE_CACHE_DIR")
+    return Path(cache) if cache else Path.home() / ".cache" / "mlxserve"
 
 
 class FallbackSettings(_Section):
@@ -206,6 +258,11 @@ class FallbackSettings(_Section):
         default_factory=dict,
         description="Local engine: extra environment (MLXSERVE_FAULT_* on first start only).",
     )
+    hosts: list[str] = Field(
+        default_factory=list,
+        description="Local engine: run it as a tensor-parallel group on these hosts, as "
+        "[cluster] hosts does for the primary.",
+    )
     url: str | None = Field(
         None, description="Remote OpenAI-compatible server, e.g. http://127.0.0.1:8001/v1."
     )
@@ -215,7 +272,15 @@ class FallbackSettings(_Section):
     def _one_kind(self) -> "FallbackSettings":
         if (self.model is None) == (self.url is None):
             raise ValueError("a fallback needs exactly one of 'model' (local) or 'url' (remote)")
+        if self.hosts and self.url is not None:
+            raise ValueError("'hosts' starts a local group; a remote 'url' has none")
         return self
+
+    @field_validator("hosts")
+    @classmethod
+    def _group_hosts(cls, hosts: list[str]) -> list[str]:
+        check_group_hosts(hosts)
+        return hosts
 
 
 class Settings(BaseSettings):

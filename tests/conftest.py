@@ -1,13 +1,15 @@
-"""Settings every test shares."""
+"""Session-wide test isolation: the state a test run learns is its own.
 
-from collections.abc import Iterator
+Plans read the calibration records and the incidents remembered in `[server]
+state_dir` (rules moe-calibrated-fastest and incident-pinned); a developer's real
+~/.cache/mlxserve must not change what the tests' plans decide, and the tests'
+records must not reach it.
+"""
 
-import pytest
+"""Session-wide test isolation: the state a test run learns is its own.
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Keep the developer's calibration records (~/.cache/mlxserve) out of every plan."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("MLXSERVE_SERVER__STATE_DIR", str(tmp_path_factory.mktemp("state")))
-        yield
+Plans read the calibration records and the incidents remembered in `[server]
+state_dir` (rules moe-calibrated-fastest and incident-pinned); a developer's real
+~/.cache/mlxserve must not change what the tests' plans decide, and the tests'
+records must not reach it.
+"""

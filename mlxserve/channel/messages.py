@@ -6,7 +6,8 @@ inert (no pickle). Every message is one JSON object with a "type".
 
 engine -> front, once, first:   hello
 front  -> engine:                generate, cancel, status
-engine -> front:                 tokens, finish (per request), status, error
+engine -> front:                 tokens, finish (per request), status, error,
+                                 progress (while it has work: its step counter)
 """
 
 from typing import Annotated, Any, Literal
@@ -74,6 +75,22 @@ class Status(_Message):
     progress: int
 
 
+class Progress(_Message):
+    """The engine's step counter, sent a few times a second while it has work.
+
+    The front reads hangs from it: a counter that stops while requests wait is
+    a wedged step, whatever the process's other threads still do.
+    """
+
+    type: Literal["progress"] = "progress"
+    steps: int
+    busy: bool
+    #: p99 duration of recent steps like the one in flight (0: none measured yet)
+    expected_step_s: float = 0.0
+    #: the kind of the step in flight (prefill, decode, speculate), if one is
+    step_kind: str | None = None
+
+
 class Error(_Message):
     """A message the engine could not act on (bad JSON, unknown id); never fatal."""
 
@@ -83,7 +100,9 @@ class Error(_Message):
 
 
 FrontMessage = Annotated[Generate | Cancel | StatusRequest, Field(discriminator="type")]
-EngineMessage = Annotated[Hello | Tokens | Finish | Status | Error, Field(discriminator="type")]
+EngineMessage = Annotated[
+    Hello | Tokens | Finish | Status | Progress | Error, Field(discriminator="type")
+]
 
 _FRONT: TypeAdapter[FrontMessage] = TypeAdapter(FrontMessage)
 _ENGINE: TypeAdapter[EngineMessage] = TypeAdapter(EngineMessage)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from mlxserve.config import Settings, resolved_state_dir
+from mlxserve.config import Settings, state_dir
 from mlxserve.errors import UsageError
 from mlxserve.kernels.timing import ExpertShape
 from mlxserve.policy.calibration import CalibrationRecord, ShapeTiming, VariantTiming
@@ -28,10 +28,7 @@ TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_
 
 
 def model_expert_shapes(model_name: str) -> tuple[list[ExpertShape], str]:
-    """The distinct routed-expert shapes of a model, from its lazily loaded weights, and
-    the float dtype its activations run in (that of its affine scales, else bfloat16)."""
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
-
+    """`expert_shapes` of a model directory (or ``demo``), loaded lazily: no weight is read."""
     from mlxserve.models.loader import load_model
 
     if model_name == "demo":
@@ -41,16 +38,23 @@ def model_expert_shapes(model_name: str) -> tuple[list[ExpertShape], str]:
     else:
         path = model_name
     model, config = load_model(path, lazy=True)
-    text_config = config.get("text_config", config)
-    top_k = next((int(text_config[k]) for k in TOP_K_KEYS if k in text_config), None)
+    return expert_shapes(model, config.get("text_config", config), model_name)
+
+
+def expert_shapes(model: Any, config: dict[str, Any], name: str) -> tuple[list[ExpertShape], str]:
+    """The distinct routed-expert shapes of ``model`` and the float dtype its activations
+    run in (that of its affine scales, else bfloat16). `UsageError` when it has none."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
+
+    top_k = next((int(config[k]) for k in TOP_K_KEYS if k in config), None)
     shapes = set()
     dtypes = set()
-    for _, module in model.named_modules():  # type: ignore[no-untyped-call]
+    for _, module in model.named_modules():
         gate = getattr(module, "gate_proj", None)
         if not isinstance(module, SwitchGLU) or not isinstance(gate, QuantizedSwitchLinear):
             continue
         if top_k is None:
-            raise UsageError(f"model {model_name!r}: config.json names no experts per token")
+            raise UsageError(f"model {name!r}: config.json names no experts per token")
         experts, out_dims, words = (int(d) for d in gate["weight"].shape)
         bits = int(gate.bits)
         if str(gate.mode) == "affine":
@@ -68,7 +72,7 @@ def model_expert_shapes(model_name: str) -> tuple[list[ExpertShape], str]:
         )
     if not shapes:
         raise UsageError(
-            f"model {model_name!r} has no quantized MoE layers (SwitchGLU with quantized "
+            f"model {name!r} has no quantized MoE layers (SwitchGLU with quantized "
             "experts): nothing to calibrate"
         )
     ordered = sorted(shapes, key=lambda s: (s.experts, s.in_dims, s.out_dims, s.bits))
@@ -85,15 +89,23 @@ def calibrate(
     dtype_name: str,
     repeats: int,
     budget_s: float,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float] | None = None,
     step: Callable[[], None] = lambda: None,
 ) -> CalibrationRecord:
     """Time every variant at every (shape, chunk) and at one decode step per shape.
 
     Shapes are measured smallest first; once ``budget_s`` is spent the rest are
     listed as skipped (the smallest prefill chunk of every shape always runs).
+    The default clock is wall time on a GPU and this process's CPU time on a CPU
+    device, where MLX computes in the process's own threads and the wall clock
+    also counts whatever else the machine runs.
     """
     import mlx.core as mx
+
+    on_cpu = mx.default_device() == mx.cpu
+    clock_name = "given" if clock is not None else ("process" if on_cpu else "wall")
+    if clock is None:
+        clock = time.process_time if on_cpu else time.perf_counter
 
     from mlxserve.kernels.timing import (
         random_routing,
@@ -104,7 +116,8 @@ def calibrate(
 
     dtype = getattr(mx, dtype_name)
     variants = variant_classes()
-    began = clock()
+    budget_clock = time.perf_counter
+    began = budget_clock()
     timings: list[ShapeTiming] = []
     skipped: list[str] = []
     smallest = min(chunks)
@@ -114,7 +127,7 @@ def calibrate(
         plan += [("prefill", c) for c in sorted(set(chunks)) if c != smallest]
         for kind, tokens in plan:
             label = f"{kind} {tokens} tokens x {shape.experts} experts (K {shape.in_dims})"
-            if tokens != smallest and clock() - began > budget_s:
+            if tokens != smallest and budget_clock() - began > budget_s:
                 skipped.append(label)
                 for _ in range(len(variants) * (repeats + 1)):
                     step()
@@ -157,6 +170,7 @@ def calibrate(
         model=model,
         dtype=dtype_name,
         repeats=repeats,
+        clock=clock_name,
         shapes=timings,
         skipped=skipped,
     )
@@ -182,41 +196,15 @@ def run_calibrate(
     dtype: str = "auto",
     progress: bool = True,
 ) -> int:
-    from tqdm import tqdm  # type: ignore[import-untyped]
-
-    from mlxserve.hardware.probe import probe_local
-    from mlxserve.policy.calibration_store import save_record
-
-    state_dir = resolved_state_dir(settings.server)
-    shapes, model_dtype = model_expert_shapes(settings.model)
-    sizes = sorted(set(chunks)) if chunks else engine_chunks(settings, shapes)
-    dtype_name = model_dtype if dtype == "auto" else dtype
-    profile = probe_local()
-    device = {
-        "device_type": profile.device_type,
-        "chip": profile.chip,
-        "mlx_version": profile.mlx_version,
-    }
-    runs = len(shapes) * (len(sizes) + 1) * 2 * (repeats + 1)
-    bar = tqdm(total=runs, desc="Calibrating MoE variants", unit="run", disable=not progress)
+    """The command: measure, write the record, print the verdict; exit 130 on Ctrl-C."""
     try:
-        record = calibrate(
-            shapes,
-            sizes,
-            settings.engine.max_running,
-            device=device,
-            model=settings.model,
-            dtype_name=dtype_name,
-            repeats=repeats,
-            budget_s=budget_s,
-            step=lambda: bar.update(1),
-        )
+        record = _measure(settings, chunks, repeats, budget_s, dtype, progress)
     except KeyboardInterrupt:
-        bar.close()
         print("mlxserve: calibration interrupted; no record written", file=sys.stderr)
         return EXIT_INTERRUPTED
-    bar.close()
-    path = save_record(state_dir, record)
+    from mlxserve.policy.calibration_store import save_record
+
+    path = save_record(state_dir(settings.server), record)
     verdict = record.verdict()
     print(f"calibration record: {path}")
     if verdict is None:
@@ -224,3 +212,38 @@ def run_calibrate(
     else:
         print(f"fastest safe variant: {verdict.reason(verdict.variant)}")
     return 0
+
+
+def _measure(
+    settings: Settings,
+    chunks: Sequence[int],
+    repeats: int,
+    budget_s: float,
+    dtype: str,
+    progress: bool,
+) -> CalibrationRecord:
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    from mlxserve.hardware.probe import probe_local
+
+    shapes, model_dtype = model_expert_shapes(settings.model)
+    sizes = sorted(set(chunks)) if chunks else engine_chunks(settings, shapes)
+    profile = probe_local()
+    device = {
+        "device_type": profile.device_type,
+        "chip": profile.chip,
+        "mlx_version": profile.mlx_version,
+    }
+    runs = len(shapes) * (len(sizes) + 1) * 2 * (repeats + 1)
+    with tqdm(total=runs, desc="Calibrating MoE variants", unit="run", disable=not progress) as bar:
+        return calibrate(
+            shapes,
+            sizes,
+            settings.engine.max_running,
+            device=device,
+            model=settings.model,
+            dtype_name=model_dtype if dtype == "auto" else dtype,
+            repeats=repeats,
+            budget_s=budget_s,
+            step=lambda: bar.update(1),
+        )

@@ -53,6 +53,9 @@ def run_serve(settings: Settings) -> int:
     configure_logging()
     console = Console()
     began = time.monotonic()
+    from mlxserve.models.loader import preflight
+
+    preflight(settings.model)  # a model the engines would refuse stops us here
     console.say(f"loading the tokenizer of model '{settings.model}'")
     try:
         codec = Codec.load(model_directory(settings.model))
@@ -77,8 +80,9 @@ def check_engines(settings: Settings) -> None:
         if entry.model is None:
             continue
         policy = settings.policy.model_copy(update={"overrides": entry.policy})
+        cluster = settings.cluster.model_copy(update={"hosts": entry.hosts})
         try:
-            check_plan(settings.model_copy(update={"policy": policy}))
+            check_plan(settings.model_copy(update={"policy": policy, "cluster": cluster}))
         except UsageError as exc:
             raise UsageError(f"fallback '{entry.name or f'fallback{index}'}': {exc}") from None
 
@@ -103,9 +107,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 async def serve(runtime: Runtime, listener: socket.socket) -> int:
     from mlxserve.server.app import create_app
+    from mlxserve.server.nodelay import NoDelayH11Protocol
 
     config = uvicorn.Config(
         create_app(runtime),
+        http=NoDelayH11Protocol,
         log_level="warning",
         access_log=False,
         lifespan="off",

@@ -36,6 +36,7 @@ from mlxserve.engine.sampling import KeyStream
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.engine.sequence import Phase, Sequence
 from mlxserve.engine.step_plan import StepPlan
+from mlxserve.engine.step_times import StepTimes
 
 if TYPE_CHECKING:
     from mlxserve.engine.lockstep import LockstepLeader
@@ -137,6 +138,7 @@ class Engine:
         self.progress = 0
         self.current_step: StepPlan | None = None
         self.step_started_at = 0.0
+        self.step_times = StepTimes()
 
     # -- client side (any thread) ------------------------------------------
 
@@ -258,6 +260,7 @@ class Engine:
                 self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}")
             emitted = {}
         finally:
+            self.step_times.record(plan, time.monotonic() - self.step_started_at)
             self.current_step = None
             self.progress += 1
         for sequence in sequences:

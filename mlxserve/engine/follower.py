@@ -4,6 +4,8 @@ Rank 0's `mlxserve serve` runs the HTTP front and an engine process that leads;
 every other rank (started by `mlx.launch` with the same command and config) runs
 this: it joins the group, computes the same plan, loads its shard of the model,
 and runs the steps rank 0 broadcasts (`lockstep.follow`) until rank 0 stops.
+Like rank 0's engine it runs the progress watchdog: a step that never finishes
+(a collective whose peer is gone) ends the rank with exit 75.
 """
 
 import logging
@@ -41,6 +43,7 @@ def run_follower(settings: Settings) -> int:
     from mlxserve.engine.lockstep import Diverged, follow
     from mlxserve.engine.process import configure_logging
     from mlxserve.policy.build import build_plan
+    from mlxserve.reliability.watchdog import Watchdog
 
     configure_logging()
     _FirstSignalWaits().install()
@@ -56,10 +59,16 @@ def run_follower(settings: Settings) -> int:
         group.size(),
         plan.plan_hash[:12],
     )
+    # Every rank watches its own steps: a collective that never completes here
+    # (a peer gone or wedged) ends this rank with exit 75, as on rank 0.
+    watchdog = Watchdog(engine, plan.progress_timeout_s())
+    watchdog.start()
     try:
         steps = follow(engine, group)
     except Diverged as exc:
         log.error("%s; stopping", exc)
         return 1
+    finally:
+        watchdog.stop()
     log.info("rank %d: rank 0 stopped after %d steps; exiting", membership.rank, steps)
     return 0

@@ -12,6 +12,10 @@ the engine loop and the progress watchdog, and only then creates the socket
 existence means "ready". It serves one front connection at a time: `hello`
 first, then the messages of `mlxserve.channel.messages`.
 
+Under a launcher (MLX_RANK set), a rank other than 0 runs the follower instead
+(`mlxserve.engine.follower`): that is how the front starts a tensor-parallel
+group as one backend (`mlxserve.cluster.launch`).
+
 Exit codes: 0 after SIGTERM or SIGINT; 2 for a usage error or a plan that
 refuses to start (one line on stderr); 75 when the watchdog saw no progress;
 70 when the engine loop itself crashed; 3 for an injected crash (tests).
@@ -109,8 +113,15 @@ class _Signals:
             raise _StopRequested
 
 
+#: GIL hand-off interval in the engine process. A token crosses three threads here
+#: (socket reader, engine loop, forwarder); at Python's default of 5 ms a woken
+#: thread may wait that long for a busy one, several times per request.
+SWITCH_INTERVAL_S: Final = 0.0005
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     signals = _Signals()
     signals.install()
     try:
@@ -124,21 +135,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, signals: _Signals) -> int:
+    from mlxserve.cluster.discover import launched_rank
+    from mlxserve.engine.follower import run_follower
     from mlxserve.policy.build import build_plan
     from mlxserve.reliability.faults import active_faults
 
     settings = load_settings(args.config, cli_settings(args))
+    rank = launched_rank()
+    if rank is not None and rank > 0 and not settings.cluster.simulate:
+        # A group the front started (mlxserve.cluster.launch): every rank runs this
+        # command; the ranks other than 0 follow rank 0's steps and serve no socket.
+        signals.serving = True  # the follower handles its own signals from here
+        return run_follower(settings)
     try:
         faults = active_faults()
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     plan, membership = build_plan(settings)
     plan.ensure_startable()
-    if membership.group is not None and membership.rank != 0:
-        raise UsageError(
-            f"rank {membership.rank} follows rank 0 and serves no clients: start it with "
-            "`mlxserve serve`, which runs the follower"
-        )
     socket_path = prepare_socket_path(args.socket)
     configure_logging()
     log.info("plan %s; progress timeout %g s", plan.plan_hash[:12], plan.progress_timeout_s())

@@ -31,6 +31,7 @@ from mlxserve.channel.messages import (
     Finish,
     Generate,
     Hello,
+    Progress,
     Status,
     StatusRequest,
     Tokens,
@@ -50,6 +51,8 @@ SEND_TIMEOUT_S: Final = 30.0
 POLL_S: Final = 0.5
 # Cancels of requests that finished this recently are not errors (they raced the finish).
 RECENT_IDS: Final = 4096
+# How often the step counter is reported while the engine has work (the front's hang check).
+REPORT_S: Final = 0.2
 
 TOO_LONG: Final = object()
 _MISSING_TYPE: Final = "missing 'type': expected generate, cancel or status"
@@ -195,6 +198,9 @@ class FrontDesk:
         try:
             if not link.send(self.hello):
                 return
+            threading.Thread(
+                target=self._report, args=(link,), name="mlxserve-progress", daemon=True
+            ).start()
             for line in link.read_lines(self.stopping):
                 reply = self.handle_line(link, line)
                 if reply is not None:
@@ -207,6 +213,27 @@ class FrontDesk:
             for request_id in orphans:
                 self.engine.cancel(request_id)
             log.info("front disconnected; cancelled %d in-flight request(s)", len(orphans))
+
+    def _report(self, link: FrontLink) -> None:
+        """Send the step counter every REPORT_S while there is work (or it just moved).
+
+        A counter, not a heartbeat: this thread keeps running while a step is
+        wedged, and the front sees the number stand still.
+        """
+        sent = self.engine.progress
+        while not link.closed and not self.stopping.wait(REPORT_S):
+            engine = self.engine
+            steps = engine.progress
+            step = engine.current_step
+            busy = step is not None or engine.running > 0 or engine.queue_depth > 0
+            if not busy and steps == sent:
+                continue
+            expected = engine.step_times.expected_s(step)
+            kind = step.kind if step is not None else None
+            report = Progress(steps=steps, busy=busy, expected_step_s=expected, step_kind=kind)
+            if not link.send(report):
+                return
+            sent = steps
 
     def handle_line(self, link: FrontLink, line: bytes | object) -> EngineMessage | None:
         """The reply to one line from the front, if any (tokens and finishes come later)."""

@@ -17,9 +17,11 @@ def probe_local() -> RankProfile:
     device_type = _device_type(mx)
     is_mac = platform.system() == "Darwin"
     arch = info.get("architecture")
+    # On an NVIDIA rank the GPU is what kernels (and calibrations) depend on.
+    gpu_name = str(info.get("device_name") or "") if device_type == "cuda" else ""
     return RankProfile(
         hostname=socket.gethostname(),
-        chip=_chip_name(is_mac),
+        chip=gpu_name or _chip_name(is_mac),
         gpu_architecture=str(arch) if arch and str(arch).startswith("applegpu") else None,
         device_type=device_type,
         os_name="macOS" if is_mac else platform.system(),

@@ -208,8 +208,12 @@ def _refuse_other_architectures(config: dict[str, Any], source: Path) -> None:
             )
 
 
-def _gib(count: int) -> str:
-    return f"{count / 2**30:.1f} GiB"
+def _size(count: int) -> str:
+    """Bytes for people: ``158.4 GiB``, ``3.2 MiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
 
 
 def _check_fits(
@@ -233,8 +237,8 @@ def _check_fits(
     if memory_bytes > 0 and needed > memory_bytes:
         per_rank = f" per rank over {ranks} ranks" if ranks > 1 else ""
         raise UsageError(
-            f"model {str(source)!r}: its weights need {_gib(needed)}{per_rank} (from the "
-            f"safetensors headers) but {_gib(memory_bytes)} is usable here; use more "
+            f"model {str(source)!r}: its weights need {_size(needed)}{per_rank} (from the "
+            f"safetensors headers) but {_size(memory_bytes)} is usable here; use more "
             "memory, more tensor-parallel ranks or a smaller quantisation"
         )
 
@@ -257,6 +261,36 @@ def _drop_dspark_head(
         len(tensors) - len(kept),
     )
     return kept
+
+
+def _read_tensors(directory: Path) -> dict[str, TensorInfo]:
+    """The checkpoint's tensors from its headers; a broken or missing file is one line."""
+    try:
+        tensors = read_checkpoint(directory)
+    except HeaderError as exc:
+        raise UsageError(str(exc)) from None
+    if not tensors:
+        raise UsageError(f"model {str(directory)!r}: no weights (model*.safetensors)")
+    return tensors
+
+
+def preflight(path: str | Path) -> None:
+    """The checks ``load_model`` makes before reading anything, for a local directory.
+
+    For a process that does not load the model itself (the ``serve`` front, whose
+    engines load it) but should refuse what they would refuse before anything starts:
+    another architecture, a quantization we cannot read, a broken safetensors header.
+    Memory is left to the engines, which know their ranks. Names and Hub ids pass.
+    """
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        return
+    from mlx_lm.utils import load_config
+
+    config = load_config(directory)
+    _refuse_other_architectures(config, directory)
+    _packed_quantization(config, directory)
+    _read_tensors(directory)
 
 
 def load_model(
@@ -290,10 +324,7 @@ def load_model(
             "quantization": quantization,
             "quantization_config": quantization,
         }
-    try:
-        tensors = read_checkpoint(model_path)
-    except HeaderError as exc:
-        raise UsageError(str(exc)) from None
+    tensors = _read_tensors(model_path)
     tensors = _drop_dspark_head(config, tensors, model_path)
     _check_fits(config, tensors, model_path, memory_bytes, ranks)
     try:

@@ -3,16 +3,18 @@
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from mlxserve.cluster.discover import Membership, discover
 from mlxserve.cluster.exchange import check_same_plan, gather_verdicts
-from mlxserve.config import Settings, resolved_state_dir
+from mlxserve.config import Settings, state_dir
 from mlxserve.errors import UsageError
 from mlxserve.policy.calibration_store import load_verdicts
 from mlxserve.policy.engine import evaluate
 from mlxserve.policy.overrides import collect_overrides
 from mlxserve.policy.plan import Plan
 from mlxserve.policy.rules import load_rules
+from mlxserve.reliability.incidents import IncidentRecord, IncidentStore
 
 
 def build_plan(settings: Settings) -> tuple[Plan, Membership]:
@@ -20,14 +22,29 @@ def build_plan(settings: Settings) -> tuple[Plan, Membership]:
     # input fails fast and identically on every rank.
     ruleset = load_rules(settings.policy.rules_dir)
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
-    verdicts = load_verdicts(resolved_state_dir(settings.server))
+    verdicts = load_verdicts(state_dir(settings.server))
     membership = discover(settings.cluster)
-    if membership.group is not None:
+    if membership.group is None:
+        incidents = IncidentStore(state_dir(settings.server)).load()
+    else:
         verdicts = gather_verdicts(membership.group, verdicts)
-    plan = evaluate(membership.cluster, ruleset, overrides, verdicts)
+        incidents = _rank_0s(membership.group, settings)
+    plan = evaluate(membership.cluster, ruleset, overrides, verdicts, incidents=incidents)
     if membership.group is not None:
         check_same_plan(membership.group, plan.plan_hash)
     return plan, membership
+
+
+def _rank_0s(group: Any, settings: Settings) -> list[IncidentRecord]:
+    """Rank 0's incident memory on every rank: its front writes it, and plans must agree."""
+    from mlxserve.cluster.broadcast import broadcast_bytes
+
+    payload = None
+    if group.rank() == 0:
+        incidents = IncidentStore(state_dir(settings.server)).load()
+        payload = json.dumps([r.model_dump(mode="json") for r in incidents]).encode()
+    received = json.loads(broadcast_bytes(group, payload) or b"[]")
+    return [IncidentRecord.model_validate(item) for item in received]
 
 
 def check_plan(settings: Settings) -> None:
@@ -40,11 +57,15 @@ def check_plan(settings: Settings) -> None:
     """
     ruleset = load_rules(settings.policy.rules_dir)
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
-    if settings.cluster.simulate or "MLX_RANK" not in os.environ:
-        plan = evaluate(discover(settings.cluster).cluster, ruleset, overrides)
+    incidents = IncidentStore(state_dir(settings.server)).load()
+    group = settings.cluster.hosts  # a group the front starts: planned once it has joined
+    if settings.cluster.simulate or ("MLX_RANK" not in os.environ and not group):
+        verdicts = load_verdicts(state_dir(settings.server))
+        cluster = discover(settings.cluster).cluster
+        plan = evaluate(cluster, ruleset, overrides, verdicts, incidents=incidents)
         plan.ensure_startable()
         return
-    world = launched_world_size()
+    world = len(group) if group else launched_world_size()
     for override in overrides:
         if world is not None and override.rank is not None and override.rank >= world:
             raise UsageError(

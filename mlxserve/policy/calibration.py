@@ -123,6 +123,8 @@ class CalibrationRecord(BaseModel):
     model: str
     dtype: str
     repeats: int
+    clock: str = "wall"
+    """``wall``, or ``process`` (this process's CPU time, on a CPU device)."""
     shapes: list[ShapeTiming]
     skipped: list[str] = Field(default_factory=list)
     """Shapes left out to stay within the time budget."""

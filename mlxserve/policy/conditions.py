@@ -8,8 +8,13 @@ from mlxserve.hardware.profile import RankProfile
 from mlxserve.policy.rules import Conditions
 
 
-def conditions_hold(when: Conditions, cluster: Cluster, rank: int | None) -> bool:
-    """For a rank rule pass the rank; for a world rule pass None."""
+def conditions_hold(
+    when: Conditions, cluster: Cluster, rank: int | None, incident: bool = False
+) -> bool:
+    """For a rank rule pass the rank; for a world rule pass None.
+
+    `incident`: whether the incident memory has a hang of this kind of cluster.
+    """
     subjects: list[RankProfile] = cluster.ranks if rank is None else [cluster.ranks[rank]]
     checks = [
         when.composition is None or cluster.composition in when.composition,
@@ -20,6 +25,7 @@ def conditions_hold(when: Conditions, cluster: Cluster, rank: int | None) -> boo
         when.mlx is None or any(_in_range(p.mlx_version, when.mlx) for p in subjects),
         when.chips is None or any(_chip_in(p.chip, when.chips) for p in subjects),
         when.device is None or any(p.device_type in when.device for p in subjects),
+        when.incident is None or when.incident == incident,
     ]
     return all(checks)
 

@@ -21,6 +21,7 @@ from mlxserve.policy.conditions import conditions_hold
 from mlxserve.policy.decisions import DECISIONS, FASTEST, DecisionSpec
 from mlxserve.policy.plan import OVERRIDE_RULE, Decision, Override, Plan, RankPlan, Warning_
 from mlxserve.policy.rules import Rule, RuleSet
+from mlxserve.reliability.incidents import IncidentRecord, latest_for
 
 CALIBRATION = "calibration"
 """The `Warning_.rule` of warnings about calibration records."""
@@ -33,8 +34,14 @@ def evaluate(
     ruleset: RuleSet,
     overrides: list[Override],
     calibrations: Sequence[Verdict] = (),
+    *,
+    incidents: Sequence[IncidentRecord] = (),
 ) -> Plan:
+    """The plan. `calibrations` are the verdicts speed rules read; `incidents` is the
+    incident memory (rules with `when.incident` read it)."""
     by_id = {rule.id: rule for rule in ruleset.rules}
+    incident = latest_for(list(incidents), cluster.composition, [p.chip for p in cluster.ranks])
+    pinned = incident is not None
     warnings: list[Warning_] = []
     ranks = []
     for rank, profile in enumerate(cluster.ranks):
@@ -47,10 +54,10 @@ def evaluate(
             r
             for r in ruleset.rules
             if r.scope == "rank"
-            and conditions_hold(r.when, cluster, rank)
+            and conditions_hold(r.when, cluster, rank, pinned)
             and (verdict is not None or not r.speed)
         ]
-        decisions = _decide(matching, "rank", f"rank {rank}", _resolver(profile, verdict))
+        decisions = _decide(matching, "rank", f"rank {rank}", _resolver(profile, verdict, incident))
         warnings += [
             Warning_(rule=r.id, message=f"rank {rank}: {r.warn}")
             for r in sorted(matching, key=lambda r: r.id)
@@ -58,9 +65,11 @@ def evaluate(
         ]
         ranks.append(RankPlan(rank=rank, profile=profile.summary(), decisions=decisions))
     matching_world = [
-        r for r in ruleset.rules if r.scope == "world" and conditions_hold(r.when, cluster, None)
+        r
+        for r in ruleset.rules
+        if r.scope == "world" and conditions_hold(r.when, cluster, None, pinned)
     ]
-    world = _decide(matching_world, "world", "the cluster")
+    world = _decide(matching_world, "world", "the cluster", _plain(incident))
     for rule in sorted(matching_world, key=lambda r: r.id):
         if rule.warn:
             warnings.append(Warning_(rule=rule.id, message=rule.warn))
@@ -81,6 +90,18 @@ def evaluate(
     return plan.with_hash()
 
 
+def _reason(rule: Rule, incident: IncidentRecord | None) -> str:
+    """The rule's reason; an incident rule's names the incident it read."""
+    if not rule.when.incident or incident is None:
+        return rule.reason
+    return rule.reason.format(
+        incident_at=incident.when(),
+        incident_plan=incident.plan_hash[:12],
+        incident_kind=incident.kind,
+        incident_step=incident.step_kind or "unknown",
+    )
+
+
 def _stale_warning(rank: int, profile: RankProfile, stale: Verdict) -> Warning_:
     return Warning_(
         rule=CALIBRATION,
@@ -90,16 +111,23 @@ def _stale_warning(rank: int, profile: RankProfile, stale: Verdict) -> Warning_:
     )
 
 
-def _plain(key: str, rule: Rule) -> Decision:
-    return Decision(value=rule.decided(key), rule=rule.id, reason=rule.reason)
+def _plain(incident: IncidentRecord | None) -> Resolve:
+    """A rule's own value, with its reason (an incident rule's names the incident)."""
+
+    def resolve(key: str, rule: Rule) -> Decision:
+        return Decision(value=rule.decided(key), rule=rule.id, reason=_reason(rule, incident))
+
+    return resolve
 
 
-def _resolver(profile: RankProfile, verdict: Verdict | None) -> Resolve:
+def _resolver(
+    profile: RankProfile, verdict: Verdict | None, incident: IncidentRecord | None
+) -> Resolve:
     """How a winning rule's value is read: from the rule, or for ``fastest`` the verdict."""
 
     def resolve(key: str, rule: Rule) -> Decision:
         if rule.decide[key] != FASTEST:
-            return _plain(key, rule)
+            return _plain(incident)(key, rule)
         assert verdict is not None  # speed rules only match calibrated ranks
         # The stock call is named `off` on a rank that has no NAX path.
         name = "off" if verdict.variant == STOCK and not profile.nax else verdict.variant
@@ -109,9 +137,7 @@ def _resolver(profile: RankProfile, verdict: Verdict | None) -> Resolve:
     return resolve
 
 
-def _decide(
-    matching: list[Rule], scope: str, target: str, resolve: Resolve = _plain
-) -> dict[str, Decision]:
+def _decide(matching: list[Rule], scope: str, target: str, resolve: Resolve) -> dict[str, Decision]:
     decisions = {}
     for key, spec in DECISIONS.items():
         if spec.scope != scope:

@@ -17,6 +17,9 @@ from mlxserve.cluster.composition import Composition
 from mlxserve.errors import UsageError
 from mlxserve.policy.decisions import FASTEST, Scope, Value, decision_spec
 
+#: What an incident rule's reason may name.
+INCIDENT_FIELDS = {"incident_at": "", "incident_plan": "", "incident_kind": "", "incident_step": ""}
+
 
 class Conditions(BaseModel):
     """All given conditions must hold; an absent condition always holds.
@@ -38,6 +41,10 @@ class Conditions(BaseModel):
     chips: list[str] | None = None
     device: list[Literal["metal", "cuda", "cpu"]] | None = None
     wires: str | None = None
+    #: True: holds when the incident memory has a hang or watchdog exit of this kind of
+    #: cluster (same composition and chips). The rule's reason may then name it with
+    #: {incident_at}, {incident_plan}, {incident_kind} and {incident_step}.
+    incident: bool | None = None
 
     @field_validator("world_size", "mlx", "wires")
     @classmethod
@@ -82,6 +89,13 @@ class Rule(BaseModel):
             spec.coerce(raw)
         if self.scope == "world" and self.when.rank_nax is not None:
             raise ValueError("rank_nax is a rank condition; a world rule cannot use it")
+        if "{" in self.reason and not self.when.incident:
+            raise ValueError("only a rule with when.incident = true may use {placeholders}")
+        if self.when.incident:
+            try:
+                self.reason.format(**INCIDENT_FIELDS)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"reason: unknown placeholder {exc}") from None
         return self
 
     def decided(self, key: str) -> Value:

@@ -5,7 +5,8 @@ command buffer) cannot be interrupted or cancelled; only its process can be
 ended. So the watchdog watches the engine's progress counter (steps finished),
 not a heartbeat, which a separate thread would keep beating while the forward
 is wedged. When a step is in flight and the counter has not moved for
-`timeout_s`, it logs what was running and every thread's Python stack, then
+`timeout_s`, it logs what was running and every thread's stack (named Python
+frames, then faulthandler's dump, with native frames where Python has them), then
 exits with code 75 (EX_TEMPFAIL: the front retries elsewhere and restarts
 this engine). At `soft_fraction` of the timeout it only warns, once per step.
 
@@ -14,6 +15,7 @@ Time is counted from when the watchdog first saw the current step in flight
 hour for work and then starts a step has a full timeout for that step.
 """
 
+import faulthandler
 import logging
 import os
 import sys
@@ -144,6 +146,7 @@ class Watchdog:
             for handler in logging.getLogger().handlers:
                 handler.flush()
             sys.stderr.flush()
+            dump_native_stacks()
         finally:
             # Whatever happened while reporting, a stalled engine must go.
             self._exit(STALL_EXIT_CODE)
@@ -160,6 +163,24 @@ class Watchdog:
             self._stacks(),
         ]
         return "\n".join(lines)
+
+
+def dump_native_stacks() -> None:
+    """faulthandler's dump of every thread, straight to stderr's file descriptor.
+
+    Why besides `format_thread_stacks`: faulthandler writes without taking
+    locks or allocating, so it works even when the wedged thread holds one, and
+    where Python offers it (3.14+: `dump_c_stack`) it adds the native frames,
+    which show the MLX call a collective is stuck in.
+    """
+    try:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        dump_c_stack = getattr(faulthandler, "dump_c_stack", None)
+        if dump_c_stack is not None:
+            dump_c_stack(file=sys.stderr)
+        sys.stderr.flush()
+    except (OSError, ValueError, RuntimeError):  # no usable stderr: the exit matters more
+        pass
 
 
 def format_thread_stacks() -> str:

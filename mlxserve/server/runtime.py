@@ -7,13 +7,16 @@ stops it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from mlxserve.config import FallbackSettings, Settings
+from mlxserve.cluster.launch import launcher_command
+from mlxserve.config import FallbackSettings, Settings, state_dir
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import Backend
 from mlxserve.server.backends.local import LocalEngine
@@ -45,6 +48,8 @@ def engine_env(settings: Settings, model: str, overrides: list[str] | None) -> d
         data["policy"]["overrides"] = overrides
     env = {f"MLXSERVE_{name.upper()}": json.dumps(data[name]) for name in ENGINE_SECTIONS}
     env["MLXSERVE_MODEL"] = model
+    # The plan reads the incident memory the front writes: the same place for both.
+    env["MLXSERVE_SERVER__STATE_DIR"] = str(state_dir(settings.server))
     return env
 
 
@@ -70,6 +75,8 @@ def build_backends(settings: Settings, codec: Codec) -> list[Backend]:
             },
             startup_timeout_s=server.startup_timeout_s,
             request_timeout_s=server.request_timeout_s,
+            hang_floor_s=server.hang_floor_s,
+            launcher=group_launcher(settings, settings.cluster.hosts),
         )
     ]
     for index, fallback in enumerate(settings.fallback, start=1):
@@ -95,7 +102,19 @@ def _fallback(settings: Settings, entry: FallbackSettings, default: str, codec: 
         env={**inherited_env(), **engine_env(settings, entry.model, entry.policy), **entry.env},
         startup_timeout_s=server.startup_timeout_s,
         request_timeout_s=server.request_timeout_s,
+        hang_floor_s=server.hang_floor_s,
+        launcher=group_launcher(settings, entry.hosts),
     )
+
+
+def group_launcher(
+    settings: Settings, hosts: list[str]
+) -> Callable[[Mapping[str, str]], list[str]] | None:
+    """For a backend on several hosts: how to launch its group (None: a single engine)."""
+    if not hosts:
+        return None
+    backend = "ring" if settings.cluster.backend == "auto" else settings.cluster.backend
+    return functools.partial(launcher_command, hosts, backend)
 
 
 class Runtime:

@@ -20,7 +20,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mlxserve.config import ServerSettings
+from mlxserve.config import ServerSettings, state_dir
+from mlxserve.errors import UsageError
+from mlxserve.reliability.incidents import REMEMBERED, IncidentStore, from_plan
 from mlxserve.server.backends.base import (
     Backend,
     BackendRefused,
@@ -45,11 +47,20 @@ INCIDENTS_KEPT = 100  # the newest; a flapping engine must not grow the front's 
 @dataclass(frozen=True)
 class Incident:
     backend: str
-    kind: str  # watchdog | crash | killed | unresponsive
+    kind: str  # watchdog | hung | crash | killed | unresponsive
     exit_code: int | None
     plan_hash: str
     at: float
     output_tail: tuple[str, ...] = ()
+
+
+def progress_timeout_s(backend: Backend) -> float:
+    """The engine's watchdog timeout, from the plan it announced (0 when unknown)."""
+    plan = backend.info.plan if backend.info is not None else None
+    try:
+        return float(plan["world"]["progress_timeout_s"]["value"]) if plan else 0.0
+    except (KeyError, TypeError, ValueError):
+        return 0.0
 
 
 def incident_kind(exit_code: int | None) -> str:
@@ -156,6 +167,8 @@ class Supervisor:
             fresh = now - backend.state.last_ok < interval
             if not backend.connected or (fresh and backend.healthy) or now < next_probe:
                 continue
+            if backend.watches_progress and backend.healthy and backend.state.in_flight:
+                continue  # busy: its step counter says whether it lives, a probe would queue
             if await self.probe(backend):
                 failed_probes = 0
                 self._healthy(backend)
@@ -170,13 +183,19 @@ class Supervisor:
                 await backend.wait_exit()
                 return
         if isinstance(backend, LocalEngine):
+            grace = EXIT_GRACE_S
+            if backend.hung is not None:  # its own watchdog should end it, with its stacks
+                grace += progress_timeout_s(backend)
             try:  # the channel closed; the process should follow
-                code = await asyncio.wait_for(backend.wait_exit(), EXIT_GRACE_S)
+                code = await asyncio.wait_for(backend.wait_exit(), grace)
             except TimeoutError:
                 backend.kill()
                 code = await backend.wait_exit()
             if not self._stopping and code is not None:
-                self._record(backend, incident_kind(code), code)
+                kind = incident_kind(code)
+                if backend.hung is not None and kind != "watchdog":
+                    kind = "hung"  # the front saw it first, and the engine never ended itself
+                self._record(backend, kind, code)
 
     def _record(self, backend: Backend, kind: str, code: int | None) -> None:
         plan_hash = backend.info.plan_hash if backend.info else "none"
@@ -184,6 +203,8 @@ class Supervisor:
         at = getattr(backend, "exited_at", None) if code is not None else None
         incident = Incident(backend.name, kind, code, plan_hash, at or time.time(), tail)
         self.incidents.append(incident)
+        if kind in REMEMBERED and backend.info is not None and backend.info.plan:
+            self._remember(backend, incident)
         self.metrics.incidents.labels(backend.name, kind, plan_hash[:12]).inc()
         last = " | ".join(line for line in tail[-5:] if line.strip())
         log.error(
@@ -198,6 +219,25 @@ class Supervisor:
         self.console.say(
             f"incident: backend '{backend.name}' {kind}{exit_note}, plan {plan_hash[:12]}"
         )
+
+    def _remember(self, backend: Backend, incident: Incident) -> None:
+        """Write the incident to the memory the next plan reads (rule incident-pinned)."""
+        assert backend.info is not None and backend.info.plan is not None
+        step_kind = backend.step_kind if isinstance(backend, LocalEngine) else None
+        record = from_plan(
+            backend.info.plan,
+            kind=incident.kind,
+            backend=backend.name,
+            at=incident.at,
+            step_kind=step_kind,
+        )
+        store = IncidentStore(state_dir(self.settings))
+        try:
+            store.append(record)
+        except (OSError, UsageError) as exc:  # memory is a help, not a reason to stop serving
+            log.error("cannot remember the incident in %s: %s", store.path, exc)
+            return
+        log.info("incident remembered in %s", store.path)
 
     async def probe(self, backend: Backend) -> bool:
         """A real one-token generation within `ready_timeout_s`."""

@@ -50,3 +50,20 @@ def test_ranks_with_different_rules_refuse_to_start(run_ranks: RunRanks, tmp_pat
         assert run.returncode == 2
         assert "ranks computed different plans" in run.stderr
         assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_one_calibrated_rank_covers_its_twin(run_ranks: RunRanks, tmp_path: Path) -> None:
+    from tests.policy.calibrations import full_faster, save
+
+    calibrated = save(tmp_path / "rank0", full_faster(chip="Apple M5 Max", device_type="metal"))
+    envs = [
+        {"MLXSERVE_CLUSTER__SIMULATE_SELF": "Apple M5 Max", "MLXSERVE_SERVER__STATE_DIR": str(d)}
+        for d in (calibrated, tmp_path / "rank1-has-none")
+    ]
+    runs = run_ranks(["policy", "explain", "--json"], envs)
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    plans = [json.loads(run.stdout) for run in runs]
+    assert plans[0]["plan_hash"] == plans[1]["plan_hash"]
+    decisions = [r["decisions"]["nax_moe"] for r in plans[0]["ranks"]]
+    assert [(d["value"], d["rule"]) for d in decisions] == [("full", "moe-calibrated-fastest")] * 2

@@ -1,14 +1,19 @@
 """`mlxserve policy calibrate`: a real calibration of the demo model, read by the next plan."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-import mlxserve.commands.calibrate as calibrate_command
 from mlxserve.cli import main
 from mlxserve.policy.calibration import CalibrationRecord
 from mlxserve.policy.calibration_store import SUBDIR
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -41,6 +46,7 @@ def test_demo_calibration_feeds_the_plan(
     shape = record.shapes[0]
     assert (shape.experts, shape.top_k, shape.in_dims, shape.out_dims) == (8, 2, 128, 64)
     assert (shape.bits, shape.group_size, shape.mode, record.dtype) == (4, 32, "affine", "float32")
+    assert record.clock == "process"  # a CPU device: this process's CPU time, not wall time
     for timing in record.shapes:
         assert [r.variant for r in timing.results] == ["skip", "full"]
         assert all(r.error is None and r.seconds and r.max_abs_diff == 0.0 for r in timing.results)
@@ -54,15 +60,30 @@ def test_demo_calibration_feeds_the_plan(
     assert f"(calibrated {record.created_at[:10]})" in decision["reason"]
 
 
-def test_ctrl_c_writes_nothing(
-    state_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def interrupted(*args: object, **kwargs: object) -> CalibrationRecord:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(calibrate_command, "calibrate", interrupted)
-    assert main(["policy", "calibrate", "--chunk", "64", "--quiet"]) == 130
-    assert capsys.readouterr().err == "mlxserve: calibration interrupted; no record written\n"
+def test_ctrl_c_writes_nothing(state_dir: Path) -> None:
+    """A real SIGINT once the progress bar is up: exit 130, one line, no record."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "mlxserve", "policy", "calibrate", "--chunk", "65536"]
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        # A runner that ignores SIGINT (a background job) would pass that on.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        assert process.stderr is not None
+        first = process.stderr.read(1)  # the bar's first byte: measuring has begun
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130
+    assert (first + err).decode().splitlines()[-1] == (
+        "mlxserve: calibration interrupted; no record written"
+    )
+    assert out == b""
     assert _records(state_dir) == []
 
 

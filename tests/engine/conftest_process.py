@@ -95,6 +95,7 @@ class EngineProcess:
         self.proc = subprocess.Popen(command, stderr=self._stderr, env=full_env)
         self.sock: socket.socket | None = None
         self._buffer = b""
+        self.progress: list[dict[str, Any]] = []  # the engine's step-counter reports
 
     # -- lifecycle ------------------------------------------------------------
 
@@ -159,6 +160,14 @@ class EngineProcess:
         self.send_raw(json.dumps(message).encode() + b"\n")
 
     def recv(self, timeout: float = REPLY_TIMEOUT_S) -> dict[str, Any]:
+        """The next message; `progress` reports are kept aside in `self.progress`."""
+        while True:
+            message = self._recv(timeout)
+            if message.get("type") != "progress":
+                return message
+            self.progress.append(message)
+
+    def _recv(self, timeout: float) -> dict[str, Any]:
         assert self.sock is not None
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buffer:

@@ -116,6 +116,12 @@ def test_greedy_matches_in_process_engine(front: EngineProcess, model_dir: Path)
     assert finish["finish_reason"] == "length"
     assert finish["prompt_tokens"] == len(PROMPT) and finish["completion_tokens"] == 24
     assert others == []
+    # The engine reports its step counter (within REPORT_S of a move), never going back.
+    time.sleep(0.5)
+    front.send(type="status")
+    status = front.recv()
+    steps = [report["steps"] for report in front.progress]
+    assert steps and steps == sorted(steps) and steps[-1] == status["progress"], front.progress
 
 
 @pytest.mark.slow

@@ -52,6 +52,29 @@ def test_sharded_load_of_the_demo_checkpoint(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "tests.models.tp_worker", "--checkpoint", str(path)]
     runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=120, cwd=REPO)
     _check(runs, 2)
+    # The loader's per-rank memory figure (headers + ``is_sharded``) is what a rank holds.
+    for run in runs:
+        report = json.loads(run.stdout.strip().splitlines()[-1])
+        assert report["counted_bytes"] == report["held_bytes"], report
+
+
+def test_sharded_load_of_a_published_flash_checkpoint(tmp_path: Path) -> None:
+    """DeepSeek's FP4 / FP8 layout (raw ``I8`` / ``F8_E4M3`` / ``F8_E8M0`` headers) over 2
+    ranks: same logits as the whole model, and the per-rank bytes the loader counted."""
+    import shutil
+
+    from mlxserve.models.demo.build import TOKENIZER_FILES, WEIGHTS_DIR
+    from tests.models.published_layouts import build, config_for, write_checkpoint
+
+    path = write_checkpoint(tmp_path / "flash", config_for("flash"), build("flash").tensors)
+    for name in TOKENIZER_FILES:  # ``load`` wants a tokenizer; any will do here
+        shutil.copyfile(WEIGHTS_DIR / name, path / name)
+    command = [sys.executable, "-m", "tests.models.tp_worker", "--checkpoint", str(path)]
+    runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=120, cwd=REPO)
+    _check(runs, 2)
+    for run in runs:
+        report = json.loads(run.stdout.strip().splitlines()[-1])
+        assert report["counted_bytes"] == report["held_bytes"], report
 
 
 def test_sharded_load_refuses_sizes_that_do_not_divide(tmp_path: Path) -> None:

@@ -11,15 +11,19 @@ MLX_RANK/MLX_HOSTFILE.
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx.nn.layers.quantized import quantize
+from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchLinear
 
 from mlxserve.models.deepseek_v4 import Model
+from mlxserve.models.deepseek_v4.memory import weight_bytes
 from mlxserve.models.deepseek_v4.mtp import greedy_draft
+from mlxserve.models.safetensors_header import read_checkpoint
 from tests.engine.v4_models import tiny_v4
 
 #: Sizes every rank count (2 and 4) divides; 4 ranks x 32 expert rows is one
@@ -67,21 +71,31 @@ def run(model: Model, tokens: mx.array) -> dict[str, np.ndarray]:
 
 def main() -> None:
     group = mx.distributed.init(strict=True, backend="ring")
-    tokens = mx.array([[(7 * i + 3) % TP_SIZES["vocab_size"] for i in range(40)]])
+    vocab = TP_SIZES["vocab_size"]
+    extra: dict[str, int] = {}
     if "--checkpoint" in sys.argv:
         from mlxserve.models import load, sharded_load
 
         path = sys.argv[sys.argv.index("--checkpoint") + 1]
+        vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+        tokens = mx.array([[(7 * i + 3) % vocab for i in range(40)]])
         whole = run(load(path)[0], tokens)
-        sharded = run(sharded_load(path, group)[0], tokens)
+        model = sharded_load(path, group)[0]
+        sharded = run(model, tokens)
+        held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        # What the loader's memory check counted for this rank, from the headers alone.
+        counted = weight_bytes(read_checkpoint(Path(path)), group.size())
+        extra["held_bytes"], extra["counted_bytes"] = held, counted
     else:
+        tokens = mx.array([[(7 * i + 3) % vocab for i in range(40)]])
         model = build("--quantize" in sys.argv)
         whole = run(model, tokens)
         model.shard(group)
         sharded = run(model, tokens)
     diffs = {k: float(np.abs(whole[k] - sharded[k]).max()) for k in whole}
     scale = float(np.abs(whole["prefill"]).max())
-    print(json.dumps({"rank": group.rank(), "size": group.size(), "scale": scale, **diffs}))
+    report = {"rank": group.rank(), "size": group.size(), "scale": scale, **diffs, **extra}
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ class LiveServer:
         self.env["MLXSERVE_CACHE_DIR"] = os.environ.get(
             "MLXSERVE_CACHE_DIR", str(Path.home() / ".cache" / "mlxserve")
         )
+        if "state_dir" not in config:  # incidents of a test never reach the user's memory
+            self.env["MLXSERVE_SERVER__STATE_DIR"] = str(workdir / "state")
         self.env.update(env or {})
         self.lines: list[str] = []
         self.url = ""

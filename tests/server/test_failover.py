@@ -24,6 +24,7 @@ from tests.server.live import MODEL, LiveServer
 pytestmark = pytest.mark.slow
 
 PROGRESS_TIMEOUT_S = 2.0
+HANG_FLOOR_S = 3.0  # the front's default
 FAULT_STEP = 20
 MAX_TOKENS = 48
 PROMPTS = [
@@ -186,3 +187,77 @@ def test_crash_then_kill_9(server: LiveServer) -> None:
     assert server.metric("mlxserve_failovers_total") == 2
     assert server.metric("mlxserve_request_retries_total", backend="primary") >= 1
     check_recovery(server, killed)
+
+
+@pytest.mark.parametrize("server", [None], indirect=True)
+def test_sigstop_is_declared_hung_by_the_front_within_seconds(server: LiveServer) -> None:
+    """A frozen primary (SIGSTOP: not even its watchdog runs) is left within hang_floor_s.
+
+    The stall any stream sees must stay under the front's hang floor (3 s by default)
+    plus the retry's backoff, not the engine watchdog's timeout.
+    """
+    stopped: list[int] = []
+
+    def stop_when_streaming(streams: list[Stream]) -> None:
+        deadline = time.monotonic() + 60
+        while not all(len(s.chunks) >= 3 for s in streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pid = primary_pid(server)
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    streams = run_all(server.url, stop_when_streaming)
+    assert stopped, "the streams never started"
+    found = incidents(server, 1)
+    assert [(i["backend"], i["kind"]) for i in found] == [("primary", "hung")], server.tail()
+    assert server.metric("mlxserve_failovers_total") == 1
+    stall = max(
+        later - earlier
+        for s in streams
+        for (earlier, _), (later, _) in zip(s.chunks, s.chunks[1:], strict=False)
+    )
+    print(f"longest stall {stall:.2f} s")
+    assert stall <= HANG_FLOOR_S + 2.0, stall
+    assert any("engine 'primary' is hung" in line for line in server.lines)
+    check_recovery(server, streams)
+
+
+def test_long_prefill_with_probes_and_streams_is_not_declared_hung(tmp_path: Path) -> None:
+    """A 3,000-token prompt, while 4 streams decode and probes run, is no hang.
+
+    The hang floor is set low (1 s), below what a late 512-token prefill chunk
+    takes on a CPU: only the front's use of measured step times (20 x p99 per
+    prompt token) keeps it from being declared hung.
+    """
+    text = config(None).replace("[server]\n", "[server]\nhang_floor_s = 1.0\n")
+    # The engine's own watchdog keeps its default (30 s): the front's check is under test.
+    text = text.replace(f'overrides = ["progress_timeout_s={PROGRESS_TIMEOUT_S}"]', "")
+    text = text.replace("ready_interval_s = 30.0", "ready_interval_s = 0.5")
+    live = LiveServer(tmp_path, text).start()
+    try:
+        answers: list[httpx.Response] = []
+
+        def long_request(streams: list[Stream]) -> None:
+            with httpx.Client(timeout=120) as client:
+                words = " ".join(f"w{i % 97}" for i in range(1060))
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": words}],
+                    "max_tokens": 4,
+                    "temperature": 0,
+                }
+                answers.append(client.post(f"{live.url}/v1/chat/completions", json=body))
+
+        streams = run_all(live.url, long_request)
+        for answer in answers:
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["prompt_tokens"] >= 3000
+            assert answer.headers["x-mlxserve-backend"] == "primary"
+        for stream in streams:
+            assert stream.error is None and stream.backend == "primary", stream
+        _, detail = live.ready()
+        assert detail["incidents"] == [], live.tail()
+        assert live.metric("mlxserve_failovers_total") == 0
+        assert not any("is hung" in line for line in live.lines), live.tail()
+    finally:
+        assert live.stop() == 0, live.tail()

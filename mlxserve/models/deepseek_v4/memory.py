@@ -3,8 +3,9 @@
 Packed weights stay packed (``packed.py``), so a tensor costs what its header says,
 except the FP8 block scales: ``repack`` spreads each 128 x 128 block's scale over
 every row and 32-column group, one byte each (``rows * cols / 32``), and turns float
-scales into one-byte e8m0. Under tensor parallelism a rank holds ``1 / n`` of the
-tensors ``sharding.is_sharded`` names and the whole of the rest.
+scales into one-byte e8m0; the hash tables (``tid2eid``) become int32. Under tensor
+parallelism a rank holds ``1 / n`` of the tensors ``sharding.is_sharded`` names and the
+whole of the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ def weight_bytes(tensors: Mapping[str, TensorInfo], ranks: int = 1) -> int:
         weight = tensors.get(name.removesuffix(".scale") + ".weight")
         if name.endswith(".scale") and weight is not None and DTYPE_BYTES[weight.dtype] == 1:
             size = repacked_scale_bytes(weight.shape, info.shape)
+        elif name.endswith(".tid2eid"):
+            size = info.nbytes // DTYPE_BYTES[info.dtype] * 4
         if ranks > 1 and is_sharded(name):
             size = -(-size // ranks)
         total += size

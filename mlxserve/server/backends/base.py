@@ -112,6 +112,11 @@ class Backend(ABC):
     def proof_of_life(self) -> None:
         self.state.last_ok = time.monotonic()
 
+    @property
+    def watches_progress(self) -> bool:
+        """Whether the backend reports its step counter, so a busy one needs no probe."""
+        return False
+
     # -- lifecycle ------------------------------------------------------------------
 
     @abstractmethod

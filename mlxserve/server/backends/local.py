@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -31,6 +31,7 @@ from mlxserve.channel.messages import (
     Finish,
     Generate,
     Hello,
+    Progress,
     Status,
     StatusRequest,
     decode_engine,
@@ -57,8 +58,20 @@ STOP_GRACE_S = 5.0
 OUTPUT_TAIL_LINES = 80
 OUTPUT_GRACE_S = 2.0
 EXIT_USAGE = 2  # the engine's "bad settings" exit: restarting it cannot help
+HANG_P99_MULTIPLE = 20.0  # a step this many times its kind's p99 is not slow but hung
+HANG_TICK_S = 0.1  # how often the step counter is checked while requests wait
+WAIT_TICK_S = 1.0  # how often a waiting request checks the engine's signs of life
 
 _Item = BackendEvent | BackendUnavailable
+
+
+def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
+    """Signal the child's whole process group: the engine, or a launcher and its ranks.
+
+    The child leads a session of its own, so its group is exactly what it started.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
 
 
 class LocalEngine(Backend):
@@ -71,12 +84,20 @@ class LocalEngine(Backend):
         env: Mapping[str, str],
         startup_timeout_s: float,
         request_timeout_s: float,
+        hang_floor_s: float = 3.0,
         python: str = sys.executable,
+        launcher: Callable[[Mapping[str, str]], list[str]] | None = None,
     ) -> None:
         super().__init__(name)
+        #: For a tensor-parallel group: the launcher command the engine command follows
+        #: (`mlxserve.cluster.launch ... --`), made afresh at each start.
+        self._launcher = launcher
+        if launcher is not None:
+            self.kind = "group"
         self._env = dict(env)
         self._startup_timeout_s = startup_timeout_s
         self._request_timeout_s = request_timeout_s
+        self.hang_floor_s = hang_floor_s
         self._python = python
         self._starts = 0
         self._proc: asyncio.subprocess.Process | None = None
@@ -92,6 +113,14 @@ class LocalEngine(Backend):
         self.exit_code: int | None = None
         self.exited_at: float | None = None
         self.output_tail: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
+        # The engine's step counter as last reported, and when it last moved (monotonic).
+        self.steps = -1
+        self.step_moved_at = 0.0
+        self.expected_step_s = 0.0
+        self.step_kind: str | None = None  # of the last step reported in flight
+        self._busy_since = 0.0  # when the front last went from no request to some
+        #: Set when the front declared this engine hung: (wall time, seconds without a step).
+        self.hung: tuple[float, float] | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -121,19 +150,23 @@ class LocalEngine(Backend):
         self._starts += 1
         self._exited = asyncio.Event()
         self.exit_code = None
+        self.hung = None
+        self.steps = -1
+        self.step_kind = None
         self.output_tail.clear()
         self._dir = Path(tempfile.mkdtemp(prefix="mlxserve-engine-"))  # mode 0700
         socket_path = self._dir / "engine.sock"
+        env = self.child_env()
+        command = [self._python, "-m", "mlxserve.engine.process", "--socket", str(socket_path)]
+        if self._launcher is not None:
+            command = [*self._launcher(env), "--", *command]
         self._proc = await asyncio.create_subprocess_exec(
-            self._python,
-            "-m",
-            "mlxserve.engine.process",
-            "--socket",
-            str(socket_path),
-            stdin=asyncio.subprocess.DEVNULL,
+            *command,
+            # A launcher polls its stdin: a pipe nobody writes keeps that poll asleep.
+            stdin=asyncio.subprocess.PIPE if self._launcher else asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env=self.child_env(),
+            env=env,
             start_new_session=True,
         )
         self._relay = asyncio.create_task(
@@ -196,19 +229,18 @@ class LocalEngine(Backend):
         self._writer = writer
         self._connected = True
         self._tasks.append(asyncio.create_task(self._read(reader), name=f"{self.name}-read"))
+        self._tasks.append(asyncio.create_task(self._watch_steps(), name=f"{self.name}-hang"))
         return hello
 
     async def stop(self) -> None:
         self._stopping = True
         proc = self._proc
         if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+            _signal_group(proc, signal.SIGTERM)
             try:
                 await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                _signal_group(proc, signal.SIGKILL)
                 await proc.wait()
         self._lost("stopped")
         if self._writer is not None:
@@ -232,8 +264,7 @@ class LocalEngine(Backend):
     def kill(self) -> None:
         """Kill the process (an unresponsive engine); the exit path does the rest."""
         if self._proc is not None and self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self._proc.kill()
+            _signal_group(self._proc, signal.SIGKILL)
 
     # -- the child's output and exit --------------------------------------------------
 
@@ -248,6 +279,8 @@ class LocalEngine(Backend):
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         code = await proc.wait()
         self.exited_at = time.time()
+        if self._launcher is not None:  # ranks of this host left behind by a killed launcher
+            _signal_group(proc, signal.SIGKILL)
         # Let the output relay catch the last lines (e.g. the watchdog's diagnostic).
         if self._relay is not None:
             with contextlib.suppress(TimeoutError):
@@ -259,6 +292,46 @@ class LocalEngine(Backend):
     def _tail_hint(self) -> str:
         tail = [line for line in self.output_tail if line.strip()][-3:]
         return (": " + " | ".join(tail)) if tail else ""
+
+    # -- hang detection --------------------------------------------------------------------
+
+    @property
+    def watches_progress(self) -> bool:
+        return True
+
+    def hang_limit_s(self) -> float:
+        """How long the step counter may stand still while requests wait."""
+        return max(self.hang_floor_s, HANG_P99_MULTIPLE * self.expected_step_s)
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds without a finished step while requests waited (0 when none waits)."""
+        if not self._streams:
+            return 0.0
+        return now - max(self.step_moved_at, self._busy_since)
+
+    async def _watch_steps(self) -> None:
+        """Declare the engine hung when it has work and its step counter stops.
+
+        Why here and not only the engine's watchdog: that one must wait out the
+        slowest legitimate step of any cluster (tens of seconds); the front knows
+        this engine's own step times and can fail over in a few seconds. The
+        engine is left to its watchdog, which dumps its stacks before it exits.
+        """
+        while self._connected:
+            await asyncio.sleep(HANG_TICK_S)
+            stalled = self.stalled_for(time.monotonic())
+            limit = self.hang_limit_s()
+            if self._connected and stalled > limit:
+                self.hung = (time.time(), stalled)
+                log.warning(
+                    "engine '%s' is hung: no step finished for %.1f s (limit %.1f s); "
+                    "its requests resume elsewhere",
+                    self.name,
+                    stalled,
+                    limit,
+                )
+                self._lost(f"hung (no step finished for {stalled:.1f} s)")
+                return
 
     # -- the channel ---------------------------------------------------------------------
 
@@ -301,6 +374,14 @@ class LocalEngine(Backend):
                     memory=message.memory,
                 )
             )
+        elif isinstance(message, Progress):
+            if message.steps != self.steps:
+                self.steps = message.steps
+                self.step_moved_at = time.monotonic()
+                self.proof_of_life()
+            self.expected_step_s = message.expected_step_s
+            if message.step_kind is not None:
+                self.step_kind = message.step_kind
         elif isinstance(message, Status):
             if self._status_waiters:
                 waiter = self._status_waiters.popleft()
@@ -343,6 +424,9 @@ class LocalEngine(Backend):
         if request_id in self._streams:
             raise ValueError(f"request id {request_id} is already in flight")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
+        started = time.monotonic()
+        if not self._streams:
+            self._busy_since = started
         self._streams[request_id] = queue
         finished = False
         self.state.in_flight += 1
@@ -361,11 +445,20 @@ class LocalEngine(Backend):
             )
             while True:
                 try:
-                    item = await asyncio.wait_for(queue.get(), self._request_timeout_s)
+                    # asyncio.timeout, not wait_for: no task per token (3.11's wait_for
+                    # wraps the get in one, an event-loop turn on every token).
+                    async with asyncio.timeout(WAIT_TICK_S):
+                        item = await queue.get()
                 except TimeoutError:
+                    # Silence is measured on the engine, not this request: a request
+                    # queued behind a long prefill waits as long as steps finish.
+                    alive = max(self.state.last_ok, self.step_moved_at, started)
+                    if time.monotonic() - alive < self._request_timeout_s:
+                        continue
                     self.set_healthy(False)
                     raise BackendUnavailable(
-                        f"engine '{self.name}' sent nothing for {self._request_timeout_s:g} s"
+                        f"engine '{self.name}' showed no sign of life for "
+                        f"{self._request_timeout_s:g} s"
                     ) from None
                 if isinstance(item, BackendUnavailable):
                     finished = True  # nothing left to cancel on the engine side

@@ -1,0 +1,368 @@
+"""Soak: the bug report's rotation against a live server with a standby, under random faults.
+
+    python benchmarks/soak.py [--minutes 10] [--fault-every-s 12] [--group] [--seed 0]
+                              [--out soak.json]
+
+It starts `mlxserve` (the demo model, MTP depth 5) with a primary engine, or with
+`--group` a primary group of two ring ranks on loopback, and a standby engine,
+then repeats for `--minutes`:
+
+1. a cold long prefill (a prompt no cache has seen, ~1,000 tokens);
+2. decode at MTP depth 5 (64 greedy tokens, streamed);
+3. TTFT with the prefix reused (a prompt served before, streamed);
+4. two concurrent greedy decoders (streamed).
+
+Meanwhile, at random (exponential gaps of mean `--fault-every-s`), it injects a
+fault into a random rank of the primary while it serves: `kill` (SIGKILL),
+`hang` (SIGSTOP: the front must declare it hung) or `crash` (SIGABRT).
+
+It prints one JSON document: requests sent, completed and lost (target: 0 lost),
+the rate of exact continuations (a greedy answer equal to the undisturbed one,
+measured before any fault), the p50/p99 of the longest gap between chunks of a
+streamed request (the stall a client sees), the faults injected, the incidents
+and failovers the server counted, and the front's resident memory over time
+(target: flat). Linux or macOS; loopback only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "demo"
+PROMPTS = {
+    "decode": "Python reference: the for statement",
+    "ttft": "Python reference: the with statement",
+    "pair_a": "Python reference: lambda",
+    "pair_b": "Python reference: import",
+}
+MAX_TOKENS = {"decode": 64, "ttft": 16, "pair_a": 48, "pair_b": 48}
+FAULTS = ("kill", "hang", "crash")
+FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "crash": signal.SIGABRT}
+MEMORY_EVERY_S = 5.0
+
+
+def config(state: Path, group: bool) -> str:
+    hosts = 'hosts = ["127.0.0.1", "127.0.0.1"]\n' if group else ""
+    return f"""
+model = "{MODEL}"
+[speculative]
+depth = 5
+[policy]
+overrides = ["progress_timeout_s=5"]
+[cluster]
+{hosts}
+[server]
+port = 0
+ready_interval_s = 5.0
+retry_attempts = 10
+retry_backoff_s = 0.2
+retry_backoff_max_s = 2.0
+restart_backoff_s = 0.2
+restart_backoff_max_s = 2.0
+state_dir = "{state}"
+[[fallback]]
+name = "standby"
+model = "{MODEL}"
+"""
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))], 3)
+
+
+def rss_mb(pid: int) -> float | None:
+    """Resident memory of `pid` in MiB (ps works on Linux and macOS)."""
+    result = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
+    text = result.stdout.strip()
+    return round(int(text) / 1024, 1) if text.isdigit() else None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (ps, so Linux and macOS)."""
+    table = subprocess.run(["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True)
+    children: dict[int, list[int]] = {}
+    for line in table.stdout.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and all(p.isdigit() for p in parts):
+            children.setdefault(int(parts[1]), []).append(int(parts[0]))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+class Server:
+    def __init__(self, workdir: Path, group: bool) -> None:
+        self.config = workdir / "config.toml"
+        self.config.write_text(config(workdir / "state", group))
+        self.log_path = workdir / "server.log"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MLXSERVE_")}
+        if "MLXSERVE_CACHE_DIR" in os.environ:
+            env["MLXSERVE_CACHE_DIR"] = os.environ["MLXSERVE_CACHE_DIR"]
+        env["OMP_NUM_THREADS"] = "1"
+        self.log = self.log_path.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxserve", "--config", str(self.config)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log,
+        )
+        self.url = ""
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited; see {self.log_path}")
+            if not self.url:
+                for line in self.log_path.read_text().splitlines():
+                    if "listening on http://" in line:
+                        self.url = line.split("listening on ")[1].split(";")[0].strip()
+            elif self.active() == "primary":
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"the primary did not become ready; see {self.log_path}")
+
+    def ready(self) -> dict[str, Any]:
+        detail: dict[str, Any] = httpx.get(f"{self.url}/ready", timeout=10).json()
+        return detail
+
+    def active(self) -> str | None:
+        try:
+            return self.ready().get("active")
+        except httpx.HTTPError:
+            return None
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(name) and not line.startswith("#")
+        )
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self.log.close()
+        return code
+
+
+@dataclass
+class Tally:
+    sent: int = 0
+    completed: int = 0
+    lost: list[str] = field(default_factory=list)
+    exact: int = 0
+    checked: int = 0
+    stalls: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def request(url: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, float]:
+    """The answer's text and the longest gap between its chunks; raises on any failure."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    }
+    with httpx.Client(timeout=300) as client:
+        if not stream:
+            response = client.post(f"{url}/v1/chat/completions", json=body)
+            response.raise_for_status()
+            return response.json()["choices"][0]["message"]["content"], 0.0
+        parts: list[str] = []
+        times = [time.monotonic()]
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"]["message"])
+                parts.append(chunk["choices"][0]["delta"].get("content") or "")
+                times.append(time.monotonic())
+        gaps = [b - a for a, b in itertools.pairwise(times[1:])]
+        return "".join(parts), max(gaps, default=0.0)
+
+
+def tracked(tally: Tally, url: str, name: str, prompt: str, want: str | None, stream: bool) -> None:
+    with tally.lock:
+        tally.sent += 1
+    try:
+        text, stall = request(url, prompt, MAX_TOKENS.get(name, 8), stream)
+    except Exception as exc:  # a lost request is what this measures
+        with tally.lock:
+            tally.lost.append(f"{name}: {exc!r}"[:300])
+        return
+    with tally.lock:
+        tally.completed += 1
+        if stream:
+            tally.stalls.append(stall)
+        if want is not None:
+            tally.checked += 1
+            tally.exact += int(text == want)
+
+
+def rotation(url: str, tally: Tally, references: dict[str, str], round_: int) -> None:
+    words = " ".join(f"w{(i * 7 + round_) % 101}" for i in range(350))
+    tracked(tally, url, "cold", f"round {round_}: {words}", None, stream=False)
+    tracked(tally, url, "decode", PROMPTS["decode"], references["decode"], stream=True)
+    tracked(tally, url, "ttft", PROMPTS["ttft"], references["ttft"], stream=True)
+    pair = [
+        threading.Thread(
+            target=tracked, args=(tally, url, n, PROMPTS[n], references[n]), kwargs={"stream": True}
+        )
+        for n in ("pair_a", "pair_b")
+    ]
+    for thread in pair:
+        thread.start()
+    for thread in pair:
+        thread.join(600)
+
+
+def inject_faults(
+    server: Server, stop: threading.Event, every_s: float, rng: random.Random
+) -> list[dict[str, Any]]:
+    injected: list[dict[str, Any]] = []
+
+    def run() -> None:
+        while not stop.wait(rng.expovariate(1 / every_s)):
+            try:
+                detail = server.ready()
+            except httpx.HTTPError:
+                continue
+            primary = detail["backends"][0]
+            if detail.get("active") != "primary" or not primary.get("pid"):
+                continue  # one fault at a time: wait for the primary to be back
+            pid = int(primary["pid"])
+            ranks = [pid, *descendants(pid)] if primary["kind"] == "group" else [pid]
+            if primary["kind"] == "group":
+                ranks = ranks[1:] or ranks  # the ranks, not their launcher
+            target = rng.choice(ranks)
+            kind = rng.choice(FAULTS)
+            try:
+                os.kill(target, FAULT_SIGNALS[kind])
+            except ProcessLookupError:
+                continue
+            injected.append({"at_s": round(time.monotonic() - began, 1), "kind": kind})
+
+    began = time.monotonic()
+    threading.Thread(target=run, name="faults", daemon=True).start()
+    return injected
+
+
+def sample_memory(server: Server, stop: threading.Event) -> list[tuple[float, float | None]]:
+    samples: list[tuple[float, float | None]] = []
+    began = time.monotonic()
+
+    def run() -> None:
+        while not stop.wait(MEMORY_EVERY_S):
+            samples.append((round(time.monotonic() - began, 1), rss_mb(server.proc.pid)))
+
+    samples.append((0.0, rss_mb(server.proc.pid)))
+    threading.Thread(target=run, name="memory", daemon=True).start()
+    return samples
+
+
+def soak(minutes: float, every_s: float, group: bool, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="mlxserve-soak-") as tmp:
+        server = Server(Path(tmp), group)
+        try:
+            server.wait_ready()
+            references = {
+                name: request(server.url, prompt, MAX_TOKENS[name], stream=False)[0]
+                for name, prompt in PROMPTS.items()
+            }
+            tally = Tally()
+            stop = threading.Event()
+            memory = sample_memory(server, stop)
+            faults = inject_faults(server, stop, every_s, rng)
+            began = time.monotonic()
+            rounds = 0
+            while time.monotonic() - began < minutes * 60:
+                rotation(server.url, tally, references, rounds)
+                rounds += 1
+            stop.set()
+            elapsed = time.monotonic() - began
+            incidents = server.ready()["incidents"]
+            failovers = server.metric("mlxserve_failovers_total")
+        finally:
+            code = server.stop()
+        log_tail = server.log_path.read_text().splitlines()[-20:] if tally.lost else []
+    known = [mb for _, mb in memory if mb is not None]
+    return {
+        "benchmark": "soak",
+        "device": f"{platform.system()} {platform.machine()} (cpu)",
+        "primary": "group of 2 ring ranks" if group else "engine",
+        "minutes": round(elapsed / 60, 2),
+        "rounds": rounds,
+        "sent": tally.sent,
+        "completed": tally.completed,
+        "lost": len(tally.lost),
+        "lost_detail": tally.lost[:10],
+        "exact_continuations": tally.exact,
+        "exact_rate": round(tally.exact / tally.checked, 4) if tally.checked else None,
+        "stall_p50_s": percentile(tally.stalls, 0.5),
+        "stall_p99_s": percentile(tally.stalls, 0.99),
+        "faults": faults,
+        "incidents": len(incidents),
+        "failovers": failovers,
+        "front_rss_mb": memory,
+        "front_rss_growth_mb": round(known[-1] - known[0], 1) if len(known) > 1 else None,
+        "server_exit_code": code,
+        "server_log_tail": log_tail,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long (default: 10)")
+    parser.add_argument(
+        "--fault-every-s", type=float, default=12.0, help="mean gap between faults (default: 12)"
+    )
+    parser.add_argument("--group", action="store_true", help="primary: 2 ring ranks on loopback")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    args = parser.parse_args()
+    report = soak(args.minutes, args.fault_every_s, args.group, args.seed)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""CI's one-minute soak: `benchmarks/soak.py` against a live server with a standby.
+
+Random kill, hang and crash faults on the primary while the rotation runs: no
+request may be lost, and every greedy answer must equal the undisturbed one.
+(Timings are reported by the benchmark, never asserted here.)
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.slow
+
+
+def test_one_minute_soak_loses_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    command = [sys.executable, "benchmarks/soak.py", "--minutes", "1", "--fault-every-s", "10"]
+    result = subprocess.run(
+        [*command, "--seed", "1", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["faults"], "no fault was injected"
+    assert report["lost"] == 0, report["lost_detail"]
+    assert report["completed"] == report["sent"] > 0
+    assert report["exact_rate"] == 1.0, report
+    assert report["server_exit_code"] == 0
+    assert report["incidents"] >= 1 and report["failovers"] >= 1
