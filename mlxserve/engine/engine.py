@@ -228,7 +228,11 @@ class Engine:
                 stream.put(FinishEvent(request.request_id, "error", usage, None, str(exc)))
                 return False
         sequence = Sequence(
-            request=request, keys=KeyStream(request.sampling.seed), depth=depth, chooser=chooser
+            request=request,
+            keys=KeyStream(request.sampling.seed),
+            depth=depth,
+            chooser=chooser,
+            rollback=self.depth,
         )
         sequence.stats.depth = depth
         self._streams[request.request_id] = stream

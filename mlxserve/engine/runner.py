@@ -73,7 +73,8 @@ class Runner:
             sequence.state, sequence.prefilled = hit
             sequence.cached_tokens = sequence.prefilled
         else:
-            sequence.state = self.adapter.new_state(max_rollback=sequence.depth)
+            margin = max(sequence.depth, sequence.rollback)
+            sequence.state = self.adapter.new_state(max_rollback=margin)
 
     def settle(self) -> None:
         """Take finished (or cancelled) requests out of their batches, between steps.

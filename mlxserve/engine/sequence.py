@@ -38,6 +38,9 @@ class Sequence:
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
     #: Set for requests that decode alone and unpipelined (`GenerationRequest.own_steps`).
     chooser: TokenChooser | None = None
+    #: Positions its caches can roll back: the engine's depth even when this one does not
+    #: draft, since its final state goes to the prefix cache for requests that do.
+    rollback: int = 0
 
     @property
     def request_id(self) -> str:

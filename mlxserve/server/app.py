@@ -27,6 +27,7 @@ from mlxserve.server.routes import (
     chat,
     completions,
     health,
+    messages,
     metrics,
     models,
     policy,
@@ -48,6 +49,7 @@ def create_app(runtime: Runtime) -> Starlette:
     routes: list[BaseRoute] = [
         *chat.routes,
         *completions.routes,
+        *messages.routes,
         *models.routes,
         *health.routes,
         *metrics.routes,

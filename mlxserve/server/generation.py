@@ -61,6 +61,7 @@ class Delta:
     backend: str | None = None  # the backend that produced it (after failovers, the last)
     token_ids: tuple[int, ...] = ()  # the last delta: every completion token
     logprobs: tuple[TokenLogprob, ...] | None = None  # of this delta's tokens, when asked
+    stop_string: str | None = None  # the last delta: the stop string that ended the text
 
 
 class Generations:
@@ -238,4 +239,5 @@ class Generations:
             speculative=speculative,
             backend=job.backend,
             token_ids=tuple(job.sent),
+            stop_string=text.matched,
         )

@@ -96,7 +96,7 @@ async def chat_completions(request: Request) -> Response:
         "model": body.model,
     }
     n = body.n or 1
-    answers = [_Answer(prompt, runtime.codec) for _ in range(n)]
+    answers = [Answer(prompt, runtime.codec) for _ in range(n)]
     tagged = fan_out(generations, prepared, n)
     first = await anext(tagged)  # the first token, or the error with its real status
     if not body.stream:
@@ -160,7 +160,7 @@ async def with_first_tagged(
 
 
 @dataclass
-class _Answer:
+class Answer:
     """One answer's pieces as they come, and what its end reports."""
 
     prompt: ChatPrompt
@@ -247,7 +247,7 @@ def _piece_deltas(pieces: list[Piece], calls_before: int) -> list[ChatDelta]:
 async def _chunks(
     deltas: AsyncGenerator[tuple[int, Delta], None],
     meta: dict[str, Any],
-    answers: list[_Answer],
+    answers: list[Answer],
     include_usage: bool,
 ) -> AsyncGenerator[dict[str, Any], None]:
     def chunk(
