@@ -29,12 +29,25 @@ def validate(grammar: str) -> str | None:
     return problem or None
 
 
-class Grammar:
-    """One request's grammar state: mask, accept, roll back."""
+#: Characters that close a JSON string, object or array.
+CLOSING = frozenset('"}]')
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+
+class Grammar:
+    """One request's grammar state: mask, accept, roll back.
+
+    ``closers`` marks the tokens made only of closing characters: near the end of its
+    token budget a request prefers them where the grammar allows any (see
+    `TokenChooser`), so its JSON is finished rather than cut off.
+    """
+
+    def __init__(
+        self, matcher: Any, vocab_size: int, closers: tuple[mx.array, mx.array] | None = None
+    ) -> None:
         self._matcher = matcher
         self._vocab = vocab_size
+        #: (tokens of quotes only, tokens of closing characters only), [vocab] bool each
+        self.closers = closers
 
     def mask(self) -> mx.array:
         """[vocab] bool: the tokens the grammar allows next."""
@@ -75,7 +88,20 @@ class Grammars:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._ll: Any = None
+        self._closers: tuple[mx.array, mx.array] | None = None
         self._lock = threading.Lock()
+
+    def _closing_tokens(self) -> tuple[mx.array, mx.array]:
+        with self._lock:
+            if self._closers is None:
+                quotes = np.zeros(self.vocab_size, dtype=np.bool_)
+                closing = np.zeros(self.vocab_size, dtype=np.bool_)
+                for token in range(min(self.vocab_size, len(self._tokenizer))):
+                    text = self._tokenizer.decode([token]).strip()
+                    quotes[token] = bool(text) and set(text) == {'"'}
+                    closing[token] = bool(text) and set(text) <= CLOSING
+                self._closers = (mx.array(quotes), mx.array(closing))
+            return self._closers
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
@@ -95,4 +121,4 @@ class Grammars:
         matcher = LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"grammar: {matcher.get_error()}")
-        return Grammar(matcher, self.vocab_size)
+        return Grammar(matcher, self.vocab_size, self._closing_tokens())

@@ -28,6 +28,9 @@ from mlxserve.engine.sampling import token_id
 PENALTY_CONTEXT = 1024
 
 
+#: The last tokens of a grammar's budget, in which closing tokens are preferred.
+CLOSING_WINDOW = 16
+
 #: What a token the mask or a filter removed reports (JSON has no -inf), as vLLM does.
 LOGPROB_FLOOR = -9999.0
 
@@ -60,15 +63,29 @@ class TokenChooser:
         if grammar is not None:
             grammar.accept_all(list(history))
 
-    def choose(self, logits: mx.array, key: mx.array) -> int:
-        """The next token from ``logits`` ([vocab]); records it (grammar, history, logprobs)."""
+    def choose(self, logits: mx.array, key: mx.array, remaining: int | None = None) -> int:
+        """The next token from ``logits`` ([vocab]); records it (grammar, history, logprobs).
+
+        ``remaining``: tokens left in the request's budget. In the last `CLOSING_WINDOW`
+        of them a grammar's closing tokens are the only choices wherever the grammar
+        allows one (a quote first: it ends an open string; else ``}``, ``]``), so a JSON
+        answer ends before the budget does.
+        """
         scores = logits.astype(mx.float32).reshape(1, -1)
         if self._processors:
             tokens = mx.array(self.history, dtype=mx.int32)
             for processor in self._processors:
                 scores = processor(tokens, scores)
         if self.grammar is not None:
-            scores = mx.where(self.grammar.mask(), scores, -math.inf)
+            allowed = self.grammar.mask()
+            closers = self.grammar.closers
+            if remaining is not None and remaining <= CLOSING_WINDOW and closers is not None:
+                quotes = mx.logical_and(allowed, closers[0])
+                closing = mx.logical_and(allowed, closers[1])
+                allowed = mx.where(
+                    mx.any(quotes), quotes, mx.where(mx.any(closing), closing, allowed)
+                )
+            scores = mx.where(allowed, scores, -math.inf)
         logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
         token = token_id(self._draw(logprobs, key)[0])
         if self.params.logprobs is not None:

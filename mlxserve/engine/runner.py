@@ -143,7 +143,7 @@ class Runner:
         else:
             assert sequence.state is not None
             logits = self.adapter.step(sequence.state, mx.array(sequence.transcript[-1:]))
-        return [chooser.choose(logits, sequence.keys.next())]
+        return [chooser.choose(logits, sequence.keys.next(), sequence.budget)]
 
     def _decode_all(self, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Requests in steady decoding join a batch and every batch takes one step."""

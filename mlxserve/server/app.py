@@ -31,6 +31,7 @@ from mlxserve.server.routes import (
     metrics,
     models,
     policy,
+    responses,
     status,
     tokenize,
 )
@@ -50,6 +51,7 @@ def create_app(runtime: Runtime) -> Starlette:
         *chat.routes,
         *completions.routes,
         *messages.routes,
+        *responses.routes,
         *models.routes,
         *health.routes,
         *metrics.routes,

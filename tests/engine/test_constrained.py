@@ -95,3 +95,32 @@ def test_a_speculative_request_reuses_a_constrained_requests_state(
     assert finish.finish_reason in ("stop", "length"), finish.error
     assert finish.usage.cached_tokens > len(ask)
     assert finish.speculative and finish.speculative["drafted"] > 0
+
+
+def test_json_is_closed_before_the_budget_ends(demo: tuple[Any, Any]) -> None:
+    """Sampled at temperature 1 the demo writes long strings; in the last tokens of its
+    budget the grammar's closing tokens win, so the answer still parses."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string"},
+            "b": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["a", "b"],
+    }
+    options: Any = {"whitespace_flexible": False}
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    one = engine(demo)
+    stops = frozenset(demo[1].eos_token_ids)
+    for seed in range(6):
+        request = GenerationRequest(
+            f"j{seed}",
+            prompt(demo, "Give me JSON"),
+            24,
+            SamplingParams(temperature=1.0, seed=seed),
+            stops,
+            grammar=grammar,
+        )
+        tokens, _ = run(one, request)[f"j{seed}"]
+        value = json.loads(demo[1].decode(tokens))
+        assert isinstance(value["a"], str) and isinstance(value["b"], list)
