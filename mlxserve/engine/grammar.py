@@ -42,11 +42,14 @@ class Grammar:
     """
 
     def __init__(
-        self, matcher: Any, vocab_size: int, closers: tuple[mx.array, mx.array] | None = None
+        self,
+        matcher: Any,
+        vocab_size: int,
+        closers: tuple[mx.array, mx.array, mx.array] | None = None,
     ) -> None:
         self._matcher = matcher
         self._vocab = vocab_size
-        #: (tokens of quotes only, tokens of closing characters only), [vocab] bool each
+        #: (tokens of quotes only, of closing characters only, with a newline), [vocab] bool
         self.closers = closers
 
     def mask(self) -> mx.array:
@@ -88,19 +91,22 @@ class Grammars:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._ll: Any = None
-        self._closers: tuple[mx.array, mx.array] | None = None
+        self._closers: tuple[mx.array, mx.array, mx.array] | None = None
         self._lock = threading.Lock()
 
-    def _closing_tokens(self) -> tuple[mx.array, mx.array]:
+    def _closing_tokens(self) -> tuple[mx.array, mx.array, mx.array]:
         with self._lock:
             if self._closers is None:
                 quotes = np.zeros(self.vocab_size, dtype=np.bool_)
                 closing = np.zeros(self.vocab_size, dtype=np.bool_)
+                newline = np.zeros(self.vocab_size, dtype=np.bool_)
                 for token in range(min(self.vocab_size, len(self._tokenizer))):
-                    text = self._tokenizer.decode([token]).strip()
+                    raw = self._tokenizer.decode([token])
+                    text = raw.strip()
                     quotes[token] = bool(text) and set(text) == {'"'}
                     closing[token] = bool(text) and set(text) <= CLOSING
-                self._closers = (mx.array(quotes), mx.array(closing))
+                    newline[token] = "\n" in raw
+                self._closers = (mx.array(quotes), mx.array(closing), mx.array(newline))
             return self._closers
 
     def _ll_tokenizer(self) -> Any:

@@ -69,7 +69,9 @@ class TokenChooser:
         ``remaining``: tokens left in the request's budget. In the last `CLOSING_WINDOW`
         of them a grammar's closing tokens are the only choices wherever the grammar
         allows one (a quote first: it ends an open string; else ``}``, ``]``), so a JSON
-        answer ends before the budget does.
+        answer ends before the budget does. Not where the grammar allows a raw newline:
+        compact JSON never does, free text does (reasoning before the answer, a DSML
+        string parameter), and there quotes would only be noise.
         """
         scores = logits.astype(mx.float32).reshape(1, -1)
         if self._processors:
@@ -82,9 +84,11 @@ class TokenChooser:
             if remaining is not None and remaining <= CLOSING_WINDOW and closers is not None:
                 quotes = mx.logical_and(allowed, closers[0])
                 closing = mx.logical_and(allowed, closers[1])
-                allowed = mx.where(
+                free = mx.any(mx.logical_and(allowed, closers[2]))
+                shaped = mx.where(
                     mx.any(quotes), quotes, mx.where(mx.any(closing), closing, allowed)
                 )
+                allowed = mx.where(free, allowed, shaped)
             scores = mx.where(allowed, scores, -math.inf)
         logprobs = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
         token = token_id(self._draw(logprobs, key)[0])

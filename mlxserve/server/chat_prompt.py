@@ -32,7 +32,7 @@ from mlxserve.models.deepseek_v4 import encoding as dsv4
 from mlxserve.models.deepseek_v4.dsml import DsmlParser
 from mlxserve.models.tool_calls import MarkedToolParser, ToolCallParser
 from mlxserve.server.codec import Codec, transcript
-from mlxserve.server.constraints import ToolStyle, forced_tool_grammar
+from mlxserve.server.constraints import ToolStyle, after_reasoning, forced_tool_grammar
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.protocol import (
     ChatCompletionRequest,
@@ -100,13 +100,10 @@ def build_chat_prompt(
             f"({codec.tool_parser_name}); use 'auto'",
             param="tool_choice",
         )
-    if prompt.reasoning_end is not None:
-        raise InvalidRequest(
-            "tool_choice: a forced call needs thinking off (the grammar starts at the answer)",
-            param="tool_choice",
-        )
     parallel = body.parallel_tool_calls is not False
     grammar = forced_tool_grammar(style, forced, parallel)
+    if prompt.reasoning_end is not None:
+        grammar = after_reasoning(grammar, prompt.reasoning_end)
     return ChatPrompt(prompt.ids, prompt.text, prompt.reasoning_end, prompt.tool_parser, grammar)
 
 

@@ -49,6 +49,19 @@ def checked(grammar: str, param: str) -> str:
     return grammar
 
 
+def after_reasoning(grammar: str, end: str) -> str:
+    """``grammar`` for the answer, after free reasoning up to ``end`` (thinking mode:
+    the prompt opened the reasoning, the grammar starts where the model closes it)."""
+    if grammar.lstrip().startswith("{"):
+        grammars = json.loads(grammar)["grammars"]
+    else:  # Lark text (what llguidance's grammar_from_lark gives)
+        grammars = [{"lark_grammar": grammar}]
+    grammars[0]["name"] = "answer"
+    reasoning = f"reasoning[stop={json.dumps(end)}]: " + r"/(.|\n)*/"
+    outer = {"name": "reasoning", "lark_grammar": f"start: reasoning @answer\n{reasoning}\n"}
+    return checked(json.dumps({"grammars": [outer, *grammars]}), "response_format")
+
+
 def response_format_grammar(fmt: ResponseFormat | None) -> str | None:
     if fmt is None or fmt.type == "text":
         if fmt is not None and fmt.json_schema is not None:

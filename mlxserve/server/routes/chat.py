@@ -22,7 +22,7 @@ from mlxserve.server.chat_output import ChatOutput, Content, Piece, Reasoning
 from mlxserve.server.chat_prompt import ChatPrompt, build_chat_prompt
 from mlxserve.server.choices import fan_out
 from mlxserve.server.codec import Codec
-from mlxserve.server.constraints import response_format_grammar
+from mlxserve.server.constraints import after_reasoning, response_format_grammar
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.generation import Delta
 from mlxserve.server.logprobs import chat_logprobs
@@ -54,13 +54,11 @@ from mlxserve.server.sse import sse_response
 
 def chat_grammar(body: ChatCompletionRequest, prompt: ChatPrompt) -> str | None:
     """The answer's grammar: a forced tool call's, or the response format's."""
-    grammar = prompt.grammar or response_format_grammar(body.response_format)
+    if prompt.grammar is not None:
+        return prompt.grammar  # a forced tool call's, reasoning included
+    grammar = response_format_grammar(body.response_format)
     if grammar is not None and prompt.reasoning_end is not None:
-        raise InvalidRequest(
-            "response_format: a JSON answer needs thinking off (the grammar starts at the "
-            "answer, the reasoning comes first)",
-            param="response_format",
-        )
+        grammar = after_reasoning(grammar, prompt.reasoning_end)
     return grammar
 
 
