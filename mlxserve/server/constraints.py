@@ -110,6 +110,15 @@ def forced_tool_grammar(style: ToolStyle, tools: list[FunctionDefinition], paral
     return checked(LLMatcher.grammar_from_lark(grammar), "tools")
 
 
+def _dsml_string(schema: dict[str, Any]) -> str:
+    """A raw-text DSML value: its enum, else text without ``<`` up to its maxLength."""
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(_lark_string(v) for v in enum) + ")"
+    limit = schema.get("maxLength")
+    return f"/[^<]{{0,{int(limit)}}}/" if isinstance(limit, int) else "/[^<]*/"
+
+
 def _dsml_grammar(tools: list[FunctionDefinition], parallel: bool) -> str:
     """DeepSeek-V4's DSML block: each parameter raw text (strings) or JSON (the rest)."""
     from mlxserve.models.deepseek_v4 import encoding as dsv4
@@ -124,7 +133,7 @@ def _dsml_grammar(tools: list[FunctionDefinition], parallel: bool) -> str:
         for key, schema in properties.items():
             is_string = isinstance(schema, dict) and schema.get("type") == "string"
             head = f'{dsv4.PARAMETER_START} name="{key}" string="{str(is_string).lower()}">'
-            value = "/[^<]*/" if is_string else f"%json {json.dumps(schema)}"
+            value = _dsml_string(schema) if is_string else f"%json {json.dumps(schema)}"
             part = f"{_lark_string(head)} {value} {_lark_string(dsv4.PARAMETER_END + chr(10))}"
             parts.append(part if key in required else f"({part})?")
         name = f"invoke{index}"

@@ -129,7 +129,14 @@ def test_tokenize_errors_and_auth(server: LiveServer, http: httpx.Client, model_
             "chat_template_kwargs.thinking",
         ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
-        ({"messages": QUESTION, "tool_choice": "required", "tools": [WEATHER]}, "tool_choice"),
+        (
+            {
+                "messages": QUESTION,
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                "tools": [WEATHER],
+            },
+            "tool_choice.function.name",
+        ),
         ({"prompt": [5, 99999]}, "prompt"),
         ({}, "messages"),
     ]
@@ -286,6 +293,7 @@ def test_forced_dsml_call_parses(client: openai.OpenAI, model_dir: Path) -> None
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         parallel_tool_calls=False,
         max_tokens=400,
+        temperature=0,
         extra_body={"thinking": {"type": "disabled"}},
     )
     [call] = response.choices[0].message.tool_calls or []
