@@ -57,7 +57,8 @@ class TokenChooser:
             frequency_penalty=params.frequency_penalty or None,
             frequency_context_size=PENALTY_CONTEXT,
         )
-        self.history: list[int] = []  # the generated tokens the penalties count
+        # The answer's tokens the penalties count: a resumed request's earlier ones too.
+        self.history: list[int] = list(history)
         #: Log-probabilities of the tokens chosen since the engine last took them.
         self.logprobs: list[TokenLogprob] = []
         if grammar is not None:

@@ -76,7 +76,8 @@ class GenerationRequest:
     speculative_depth: int | None = None
     #: An llguidance grammar (its JSON or Lark text) every generated token must follow.
     grammar: str | None = None
-    #: Tokens at the end of the prompt the grammar has already read (a resumed request).
+    #: Tokens at the end of the prompt that are the answer so far (a resumed request):
+    #: the grammar has read them and the penalties count them.
     grammar_prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
