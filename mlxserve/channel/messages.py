@@ -39,6 +39,15 @@ class Generate(_Message):
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list)
     speculative_depth: int | None = Field(None, ge=0, le=5)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = Field(1.0, gt=0)
+    logit_bias: list[tuple[int, float]] = Field(default_factory=list)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    grammar: str | None = None
+    grammar_prefix: list[int] = Field(default_factory=list)
 
 
 class Cancel(_Message):
@@ -50,10 +59,19 @@ class StatusRequest(_Message):
     type: Literal["status"] = "status"
 
 
+class Logprob(_Message):
+    """A chosen token's log-probability and the top alternatives' (token, logprob)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
 class Tokens(_Message):
     type: Literal["tokens"] = "tokens"
     id: str
     token_ids: list[int]
+    logprobs: list[Logprob] | None = None
 
 
 class Finish(_Message):

@@ -9,6 +9,7 @@ import mlx.core as mx
 from mlxserve.config import Settings
 from mlxserve.engine.adapter import ModelAdapter, PlainAdapter
 from mlxserve.engine.engine import Engine, EngineConfig
+from mlxserve.engine.grammar import Grammars
 from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.policy.plan import Plan
 
@@ -93,6 +94,13 @@ def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> Engine
     )
 
 
+def grammars_for(loaded: LoadedModel) -> Grammars:
+    """Grammars over the model's logits, whose width may exceed the tokenizer's vocabulary."""
+    args = getattr(loaded.model, "args", None)
+    width = int(getattr(args, "vocab_size", 0) or 0)
+    return Grammars(loaded.tokenizer, width or len(loaded.tokenizer))
+
+
 def build_engine(
     settings: Settings, plan: Plan, rank: int = 0, group: Any = None
 ) -> tuple[Engine, LoadedModel]:
@@ -104,5 +112,10 @@ def build_engine(
         group = None  # a group of one is no tensor parallelism
     loaded = load_for_serving(settings, plan, rank, group)
     leader = LockstepLeader(group) if group is not None and rank == 0 else None
-    engine = Engine(loaded.adapter, engine_config(settings, plan, loaded), lockstep=leader)
+    engine = Engine(
+        loaded.adapter,
+        engine_config(settings, plan, loaded),
+        lockstep=leader,
+        grammars=grammars_for(loaded),
+    )
     return engine, loaded

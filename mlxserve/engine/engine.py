@@ -22,6 +22,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxserve.engine.adapter import ModelAdapter
+from mlxserve.engine.grammar import Grammars
+from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.prefix_cache import PrefixCache
 from mlxserve.engine.request import (
     Event,
@@ -109,8 +111,10 @@ class Engine:
         config: EngineConfig,
         before_step: StepHook | None = None,
         lockstep: "LockstepLeader | None" = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.adapter = adapter
+        self.grammars = grammars
         self.lockstep = lockstep
         self._weights_bytes = _weights_bytes(adapter)
         self.config = config
@@ -236,11 +240,34 @@ class Engine:
             return False
         depth = self.depth if request.speculative_depth is None else request.speculative_depth
         depth = max(0, min(depth, self.adapter.max_draft_depth))
-        sequence = Sequence(request=request, keys=KeyStream(request.sampling.seed), depth=depth)
+        chooser = None
+        if request.own_steps:
+            depth = 0  # see `mlxserve.engine.logits`
+            try:
+                chooser = self._chooser(request)
+            except ValueError as exc:
+                usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=0)
+                stream.put(FinishEvent(request.request_id, "error", usage, None, str(exc)))
+                return False
+        sequence = Sequence(
+            request=request,
+            keys=KeyStream(request.sampling.seed),
+            depth=depth,
+            chooser=chooser,
+            rollback=self.depth,
+        )
         sequence.stats.depth = depth
         self._streams[request.request_id] = stream
         self.scheduler.add(sequence)
         return True
+
+    def _chooser(self, request: GenerationRequest) -> TokenChooser:
+        grammar = None
+        if request.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer for grammars")
+            grammar = self.grammars.compile(request.grammar)
+        return TokenChooser(request.sampling, grammar, request.grammar_prefix)
 
     def _run(self, plan: StepPlan) -> None:
         sequences = [s for rid in plan.request_ids if (s := self.scheduler.find(rid))]
@@ -283,8 +310,15 @@ class Engine:
                 reason = "length"
                 break
         sequence.generated.extend(kept)
+        chooser = sequence.chooser
+        if chooser is not None and chooser.grammar is not None and chooser.grammar.finished:
+            reason = reason or "stop"  # the grammar is complete: nothing may follow
         if kept:
-            self._streams[sequence.request_id].put(TokensEvent(sequence.request_id, tuple(kept)))
+            logprobs = chooser.take_logprobs(len(tokens)) if chooser is not None else None
+            if logprobs is not None:
+                logprobs = logprobs[: len(kept)]
+            event = TokensEvent(sequence.request_id, tuple(kept), logprobs)
+            self._streams[sequence.request_id].put(event)
         if reason is not None:
             self._finish(sequence, reason)
 

@@ -40,6 +40,15 @@ def as_generate(request: GenerationRequest) -> Generate:
         seed=sampling.seed,
         stop_token_ids=sorted(request.stop_token_ids),
         speculative_depth=request.speculative_depth,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=list(sampling.logit_bias),
+        logprobs=sampling.logprobs,
+        grammar=request.grammar,
+        grammar_prefix=list(request.grammar_prefix),
     )
 
 

@@ -31,6 +31,7 @@ from mlxserve.channel.messages import (
     Finish,
     Generate,
     Hello,
+    Logprob,
     Progress,
     Status,
     StatusRequest,
@@ -306,7 +307,7 @@ class FrontDesk:
                     return
                 continue
             if isinstance(event, TokensEvent):
-                link.send(Tokens(id=request_id, token_ids=list(event.token_ids)))
+                link.send(to_tokens(event))
                 continue
             # Released before the finish is sent, so the front may reuse the id at once.
             self.table.release(request_id)
@@ -327,11 +328,31 @@ def to_request(message: Generate, vocab_size: int | None) -> GenerationRequest:
         prompt_ids=tuple(message.prompt_ids),
         max_tokens=message.max_tokens,
         sampling=SamplingParams(
-            temperature=message.temperature, top_p=message.top_p, seed=message.seed
+            temperature=message.temperature,
+            top_p=message.top_p,
+            seed=message.seed,
+            top_k=message.top_k,
+            min_p=message.min_p,
+            presence_penalty=message.presence_penalty,
+            frequency_penalty=message.frequency_penalty,
+            repetition_penalty=message.repetition_penalty,
+            logit_bias=tuple(message.logit_bias),
+            logprobs=message.logprobs,
         ),
         stop_token_ids=frozenset(message.stop_token_ids),
         speculative_depth=message.speculative_depth,
+        grammar=message.grammar,
+        grammar_prefix=tuple(message.grammar_prefix),
     )
+
+
+def to_tokens(event: TokensEvent) -> Tokens:
+    logprobs = None
+    if event.logprobs is not None:
+        logprobs = [
+            Logprob(token=r.token, logprob=r.logprob, top=list(r.top)) for r in event.logprobs
+        ]
+    return Tokens(id=event.request_id, token_ids=list(event.token_ids), logprobs=logprobs)
 
 
 def to_finish(event: FinishEvent) -> Finish:

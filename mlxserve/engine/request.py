@@ -10,23 +10,59 @@ from typing import Literal
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_p applies to the temperature-scaled distribution."""
+    """temperature 0 is greedy; top_p, top_k and min_p filter the temperature-scaled
+    distribution; the penalties and ``logit_bias`` change the logits before all that.
+
+    ``logprobs``: None sends no log-probabilities; k >= 0 sends the chosen token's and
+    the k most likely alternatives'.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain(self) -> bool:
+        """Only temperature and top_p: what batched and speculative decoding implement."""
+        return (
+            self.top_k == 0
+            and self.min_p == 0
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+            and self.repetition_penalty == 1
+            and not self.logit_bias
+            and self.logprobs is None
+        )
 
 
 @dataclass(frozen=True)
@@ -38,12 +74,23 @@ class GenerationRequest:
     stop_token_ids: frozenset[int] = frozenset()
     # None: the engine's configured depth (0 when the model has no MTP module).
     speculative_depth: int | None = None
+    #: An llguidance grammar (its JSON or Lark text) every generated token must follow.
+    grammar: str | None = None
+    #: Tokens at the end of the prompt that are the answer so far (a resumed request):
+    #: the grammar has read them and the penalties count them.
+    grammar_prefix: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise ValueError("the prompt must have at least one token")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+
+    @property
+    def own_steps(self) -> bool:
+        """Decoded alone and at depth 0: a grammar, a penalty or logprobs need each
+        token known before the next one's logits are read (see `engine.logits`)."""
+        return self.grammar is not None or not self.sampling.plain
 
 
 @dataclass
@@ -93,11 +140,21 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the most likely alternatives'."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class TokensEvent:
-    """New tokens of one request, in order."""
+    """New tokens of one request, in order (with their logprobs when asked for)."""
 
     request_id: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

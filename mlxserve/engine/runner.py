@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from mlxserve.engine.adapter import ModelAdapter, ModelState
 from mlxserve.engine.batch import DecodeBatch, can_join, new_batch
+from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.prefix_cache import PrefixCache
 from mlxserve.engine.sampling import sample, token_id
 from mlxserve.engine.sequence import Phase, Sequence
@@ -74,7 +75,8 @@ class Runner:
             sequence.state, sequence.prefilled = hit
             sequence.cached_tokens = sequence.prefilled
         else:
-            sequence.state = self.adapter.new_state(max_rollback=sequence.depth)
+            margin = max(sequence.depth, sequence.rollback)
+            sequence.state = self.adapter.new_state(max_rollback=margin)
 
     def settle(self) -> None:
         """Take finished (or cancelled) requests out of their batches, between steps.
@@ -122,6 +124,8 @@ class Runner:
 
     def _decode(self, sequence: Sequence) -> list[int]:
         """One request's own decode step (its first token, or no batch fits it)."""
+        if sequence.chooser is not None:
+            return self._choose(sequence, sequence.chooser)
         params = sequence.request.sampling
         if sequence.pending is None:
             sequence.pending = sample(self._first_logits(sequence), params, sequence.keys.next())
@@ -139,6 +143,15 @@ class Runner:
         else:
             sequence.pending = None
         return [token_id(current)]
+
+    def _choose(self, sequence: Sequence, chooser: TokenChooser) -> list[int]:
+        """A step without pipelining: the chooser reads each token before the next."""
+        if not sequence.transcript:
+            logits = self._first_logits(sequence)
+        else:
+            assert sequence.state is not None
+            logits = self.adapter.step(sequence.state, mx.array(sequence.transcript[-1:]))
+        return [chooser.choose(logits, sequence.keys.next(), sequence.budget)]
 
     def _decode_all(self, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Requests in steady decoding join a batch and every batch takes one step."""
@@ -166,6 +179,8 @@ class Runner:
     @staticmethod
     def _ready(sequence: Sequence) -> bool:
         """Past its first token, with its next input known: it may decode in a batch."""
+        if sequence.chooser is not None:
+            return False  # decodes alone (see `mlxserve.engine.logits`)
         if sequence.state is None or sequence.phase is not Phase.DECODE:
             return False
         if sequence.depth == 0:

@@ -6,6 +6,7 @@ from enum import Enum
 import mlx.core as mx
 
 from mlxserve.engine.adapter import ModelState
+from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.request import FinishReason, GenerationRequest, SpeculativeStats
 from mlxserve.engine.sampling import KeyStream
 
@@ -35,6 +36,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     cancelled: bool = False
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+    #: Set for requests that decode alone and unpipelined (`GenerationRequest.own_steps`).
+    chooser: TokenChooser | None = None
+    #: Positions its caches can roll back: the engine's depth even when this one does not
+    #: draft, since its final state goes to the prefix cache for requests that do.
+    rollback: int = 0
 
     @property
     def request_id(self) -> str:

@@ -10,9 +10,11 @@ HTTP layer never knows the syntax.
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -61,3 +63,78 @@ class ToolCallParser(Protocol):
     def push(self, text: str) -> list[ToolOutput]: ...
 
     def finish(self) -> list[ToolOutput]: ...
+
+
+ParseFunction = Callable[[str, Any], Any]
+
+
+class MarkedToolParser:
+    """mlx-lm's tool parsers behind `ToolCallParser`: calls sit between two markers.
+
+    mlx-lm knows each model family's markers (``TokenizerWrapper.tool_call_start`` /
+    ``tool_call_end``) and parses one call's text (``tool_parser(text, tools)``) into
+    ``{"name", "arguments"}`` (or a list of them). This class does the streaming part:
+    text outside the markers is content at once, except what could be the start of a
+    marker; a call is held until its end marker, then parsed; one that does not parse
+    or never ends comes back as text marked malformed. An empty end marker means the
+    calls run to the end of the answer.
+    """
+
+    def __init__(self, start: str, end: str, parse: ParseFunction, tools: Any) -> None:
+        self._start = start
+        self._end = end
+        self._parse = parse
+        self._tools = tools
+        self._held = ""
+        self._inside = False
+
+    def push(self, text: str) -> list[ToolOutput]:
+        self._held += text
+        out: list[ToolOutput] = []
+        while True:
+            if not self._inside:
+                at = self._held.find(self._start)
+                if at < 0:
+                    keep = partial_suffix(self._held, self._start)
+                    cut = len(self._held) - keep
+                    if cut:
+                        out.append(Text(self._held[:cut]))
+                    self._held = self._held[cut:]
+                    return out
+                if at:
+                    out.append(Text(self._held[:at]))
+                self._held = self._held[at + len(self._start) :]
+                self._inside = True
+            if not self._end:
+                return out
+            end = self._held.find(self._end)
+            if end < 0:
+                return out
+            body, self._held = self._held[:end], self._held[end + len(self._end) :]
+            self._inside = False
+            out += self._calls(body)
+
+    def finish(self) -> list[ToolOutput]:
+        held, self._held = self._held, ""
+        if not self._inside:
+            return [Text(held)] if held else []
+        self._inside = False
+        if not self._end:
+            return self._calls(held)
+        return [Text(self._start + held, malformed=True)]
+
+    def _calls(self, body: str) -> list[ToolOutput]:
+        try:
+            parsed = self._parse(body, self._tools)
+            items = parsed if isinstance(parsed, list) else [parsed]
+            calls: list[ToolOutput] = []
+            for item in items:
+                name, arguments = item["name"], item.get("arguments", {})
+                if not isinstance(name, str) or not name:
+                    raise ValueError("a call without a name")
+                if not isinstance(arguments, str):
+                    arguments = json.dumps(arguments, ensure_ascii=False)
+                calls.append(ParsedToolCall(name, (arguments,)))
+            return calls
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return [Text(self._start + body + self._end, malformed=True)]

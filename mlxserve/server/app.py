@@ -27,9 +27,11 @@ from mlxserve.server.routes import (
     chat,
     completions,
     health,
+    messages,
     metrics,
     models,
     policy,
+    responses,
     status,
     tokenize,
 )
@@ -48,6 +50,8 @@ def create_app(runtime: Runtime) -> Starlette:
     routes: list[BaseRoute] = [
         *chat.routes,
         *completions.routes,
+        *messages.routes,
+        *responses.routes,
         *models.routes,
         *health.routes,
         *metrics.routes,

@@ -5,18 +5,22 @@ through untouched. Keys are compared with `hmac.compare_digest` against every
 configured key, so the time taken says nothing about how much of a key matched
 or which key it was. /health, /ready and /metrics stay open for probes; /status is
 guarded, as it shows the policy plan, and /tokenize and /detokenize, as they run the
-model's tokenizer for the caller like the /v1 routes do.
+model's tokenizer for the caller like the /v1 routes do. Anthropic's clients send
+their key as ``x-api-key``: it is checked against the same keys.
 """
 
 import hmac
 from collections.abc import Sequence
 
 from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxserve.server.errors import Unauthorized, error_response
 
 PROTECTED_PREFIX = "/v1/"
+#: Routes of the Anthropic Messages API, whose clients read its error shape.
+ANTHROPIC_PREFIX = "/v1/messages"
 PROTECTED_PATHS = ("/v1", "/status", "/tokenize", "/detokenize")
 
 
@@ -29,14 +33,26 @@ class BearerAuth:
         if scope["type"] != "http" or not self.keys or not self._protected(scope["path"]):
             await self.app(scope, receive, send)
             return
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+        headers = Headers(scope=scope)
+        scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and self._valid(token.strip().encode()):
             await self.app(scope, receive, send)
             return
+        key = headers.get("x-api-key")
+        if key is not None and self._valid(key.strip().encode()):
+            await self.app(scope, receive, send)
+            return
         error = Unauthorized(
-            "a valid API key is required: send 'Authorization: Bearer <key>'",
+            "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
+        if scope["path"].startswith(ANTHROPIC_PREFIX):
+            body = {
+                "type": "error",
+                "error": {"type": "authentication_error", "message": error.message},
+            }
+            await JSONResponse(body, status_code=401, headers=error.headers)(scope, receive, send)
+            return
         await error_response(error)(scope, receive, send)
 
     @staticmethod

@@ -9,22 +9,37 @@ rather than silently dropped:
 - DeepSeek-V4 encoder: thinking on or off (default on, or ``[chat] thinking``),
   ``reasoning_effort`` "high" / "max", ``drop_thinking``, tools (DSML).
 - A template whose vocabulary has ``<think>`` / ``</think>``: thinking on or off is
-  passed to the template as ``enable_thinking``; no reasoning effort, no tools yet.
+  passed to the template as ``enable_thinking``; no reasoning effort.
+- A template with a tool-call format mlx-lm knows (``TokenizerWrapper.tool_parser``):
+  tools go to the template, calls and tool results in the history too, and the
+  answer is read with mlx-lm's parser (`MarkedToolParser`).
 - Any other template, or the transcript: thinking can only be off; no tools.
+
+``tool_choice`` ``required`` or a named function becomes a grammar (the call syntax
+of the format, the arguments' schema) for the syntaxes mlxserve can write one for:
+DSML and mlx-lm's ``json_tools``; another format refuses those two choices by name.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mlxserve.models.deepseek_v4 import encoding as dsv4
 from mlxserve.models.deepseek_v4.dsml import DsmlParser
-from mlxserve.models.tool_calls import ToolCallParser
+from mlxserve.models.tool_calls import MarkedToolParser, ToolCallParser
 from mlxserve.server.codec import Codec, transcript
+from mlxserve.server.constraints import ToolStyle, after_reasoning, forced_tool_grammar
 from mlxserve.server.errors import InvalidRequest
-from mlxserve.server.protocol import ChatCompletionRequest, ChatMessage
+from mlxserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    NamedToolChoice,
+)
 
 ROLE_ALIASES = {"developer": "system"}
 
@@ -37,6 +52,8 @@ class ChatPrompt:
     reasoning_end: str | None = None
     #: A new parser for the answer's tool calls; None: the answer is all text.
     tool_parser: Callable[[], ToolCallParser] | None = None
+    #: The grammar of a forced tool call (tool_choice required or named); None: free.
+    grammar: str | None = None
 
 
 def requested_thinking(body: ChatCompletionRequest) -> tuple[bool | None, str]:
@@ -64,13 +81,54 @@ def build_chat_prompt(
     body: ChatCompletionRequest, codec: Codec, default_thinking: bool | None
 ) -> ChatPrompt:
     thinking, thinking_field = requested_thinking(body)
+    forced = forced_tools(body)
     tools = [tool.function.model_dump(exclude_none=True) for tool in body.tools or []]
     if body.tool_choice == "none":
         tools = []
     if codec.prompt_format == "deepseek_v4":
         on = thinking if thinking is not None else default_thinking is not False
-        return _deepseek_v4(body, codec, on, tools)
-    return _generic(body, codec, thinking, thinking_field, default_thinking)
+        prompt = _deepseek_v4(body, codec, on, tools)
+        style: ToolStyle | None = "dsml"
+    else:
+        prompt = _generic(body, codec, thinking, thinking_field, default_thinking)
+        style = "json_tools" if codec.tool_parser_name == "json_tools" else None
+    if forced is None:
+        return prompt
+    if style is None:
+        raise InvalidRequest(
+            f"tool_choice: mlxserve cannot force a call in this model's tool-call format "
+            f"({codec.tool_parser_name}); use 'auto'",
+            param="tool_choice",
+        )
+    parallel = body.parallel_tool_calls is not False
+    grammar = forced_tool_grammar(style, forced, parallel)
+    if prompt.reasoning_end is not None:
+        grammar = after_reasoning(grammar, prompt.reasoning_end)
+    return ChatPrompt(prompt.ids, prompt.text, prompt.reasoning_end, prompt.tool_parser, grammar)
+
+
+def forced_tools(body: ChatCompletionRequest) -> list[FunctionDefinition] | None:
+    """The functions one of which the answer must call (None: the model chooses)."""
+    choice = body.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return None
+    tools = [tool.function for tool in body.tools or []]
+    if not tools:
+        raise InvalidRequest("tool_choice: there are no tools to call", param="tool_choice")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidRequest(
+            "response_format and a forced tool call cannot both shape the answer",
+            param="response_format",
+        )
+    if isinstance(choice, NamedToolChoice):
+        named = [tool for tool in tools if tool.name == choice.function.name]
+        if not named:
+            raise InvalidRequest(
+                f"tool_choice: no tool is named {choice.function.name!r}",
+                param="tool_choice.function.name",
+            )
+        return named
+    return tools
 
 
 def _deepseek_v4(
@@ -127,13 +185,13 @@ def _generic(
     thinking_field: str,
     default_thinking: bool | None,
 ) -> ChatPrompt:
-    """A template or the transcript: no tools, no reasoning effort, thinking if the
-    template has it."""
+    """A template or the transcript: tools if mlx-lm knows the template's call format,
+    no reasoning effort, thinking if the template has it."""
     where = "the model's chat template" if codec.has_chat_template else "this model (no template)"
-    if body.tools:
+    markers = codec.tool_markers
+    if body.tools and markers is None:
         raise InvalidRequest(
-            f"tools are not supported with {where}; mlxserve reads tool calls of "
-            "DeepSeek-V4 models only",
+            f"tools are not supported with {where}: it has no tool-call format mlx-lm knows",
             param="tools",
         )
     if body.reasoning_effort is not None:
@@ -151,23 +209,61 @@ def _generic(
             param="chat_template_kwargs.drop_thinking",
         )
     for i, message in enumerate(body.messages):
-        if message.role == "tool" or message.tool_calls:
+        if markers is None and (message.role == "tool" or message.tool_calls):
             field = "role" if message.role == "tool" else "tool_calls"
             raise InvalidRequest(
                 f"tool messages and tool calls are not supported with {where}",
                 param=f"messages.{i}.{field}",
             )
-    markers = codec.think_markers if codec.has_chat_template else None
-    if markers is None and thinking:
+    think = codec.think_markers if codec.has_chat_template else None
+    if think is None and thinking:
         raise InvalidRequest(f"{where} has no thinking mode", param=thinking_field)
-    messages = [
-        {"role": ROLE_ALIASES.get(m.role, m.role), "content": m.text()} for m in body.messages
-    ]
+    messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
     if not codec.has_chat_template:
         text = transcript(messages)
         return ChatPrompt(codec.text_ids(text), text)
     on = thinking if thinking is not None else default_thinking
-    extra = {} if on is None or markers is None else {"enable_thinking": on}
+    extra: dict[str, Any] = {} if on is None or think is None else {"enable_thinking": on}
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+    if tools and body.tool_choice != "none":
+        extra["tools"] = tools
     text = codec.template_text(messages, **extra)
-    end = markers[1] if markers is not None and text.rstrip().endswith(markers[0]) else None
-    return ChatPrompt(codec.text_ids(text), text, reasoning_end=end)
+    end = think[1] if think is not None and text.rstrip().endswith(think[0]) else None
+    parser = None
+    if markers is not None and "tools" in extra:
+        start, stop, parse = markers
+        parser = functools.partial(MarkedToolParser, start, stop, parse, tools)
+    return ChatPrompt(codec.text_ids(text), text, reasoning_end=end, tool_parser=parser)
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face chat templates take it (call arguments as objects)."""
+    out: dict[str, Any] = {"role": ROLE_ALIASES.get(message.role, message.role)}
+    out["content"] = message.text()
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise InvalidRequest(
+                "only assistant messages carry tool_calls", param=f"messages.{index}.tool_calls"
+            )
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+            except json.JSONDecodeError:
+                raise InvalidRequest(
+                    "the arguments are not JSON",
+                    param=f"messages.{index}.tool_calls.{j}.function.arguments",
+                ) from None
+            function = {"name": call.function.name, "arguments": arguments}
+            calls.append({"id": call.id, "type": "function", "function": function})
+        out["tool_calls"] = calls
+    if message.role == "tool":
+        if message.tool_call_id is None:
+            raise InvalidRequest(
+                "a tool message needs the tool_call_id it answers",
+                param=f"messages.{index}.tool_call_id",
+            )
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out

@@ -63,6 +63,26 @@ class Codec:
         end = getattr(self._tokenizer, "think_end", None)
         return (str(start), str(end)) if start and end else None
 
+    @property
+    def tool_markers(self) -> tuple[str, str, Any] | None:
+        """mlx-lm's tool-call format for this template: start and end markers and the
+        parser of one call (None: mlx-lm knows no tool-call format for it)."""
+        tokenizer = self._tokenizer
+        if not self.has_chat_template or not getattr(tokenizer, "has_tool_calling", False):
+            return None
+        return (
+            str(tokenizer.tool_call_start),
+            str(tokenizer.tool_call_end or ""),
+            (tokenizer.tool_parser),
+        )
+
+    @property
+    def tool_parser_name(self) -> str | None:
+        """The mlx-lm tool parser's module name (``json_tools``, ``qwen3_coder``...)."""
+        markers = self.tool_markers
+        module = getattr(markers[2], "__module__", "") if markers else ""
+        return module.rsplit(".", 1)[-1] or None
+
     def template_text(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
         """The conversation through the chat template, as text, ready for the reply."""
         try:
@@ -114,7 +134,7 @@ class Codec:
         return detokenizer
 
 
-def transcript(messages: list[dict[str, str]]) -> str:
+def transcript(messages: list[dict[str, Any]]) -> str:
     """No template and no encoder: a plain transcript, so base models still answer something."""
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 

@@ -127,12 +127,15 @@ def from_validation_error(exc: ValidationError) -> InvalidRequest:
     first = exc.errors(include_url=False)[0]
     param = ".".join(str(part) for part in first["loc"]) or None
     message = first["msg"]
+    code = "invalid_value"
+    if first["type"] == "extra_forbidden":
+        message, code = "this field is not supported by mlxserve", "unsupported_field"
     if param:
         message = f"{param}: {message}"
     more = len(exc.errors()) - 1
     if more:
         message += f" (and {more} more problem{'s' if more > 1 else ''})"
-    return InvalidRequest(message, param=param, code="invalid_value")
+    return InvalidRequest(message, param=param, code=code)
 
 
 def invalid_json(exc: json.JSONDecodeError | UnicodeDecodeError) -> InvalidRequest:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
+from mlxserve.engine.request import TokenLogprob
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import (
     BackendRejected,
@@ -59,6 +60,8 @@ class Delta:
     speculative: dict[str, Any] | None = None
     backend: str | None = None  # the backend that produced it (after failovers, the last)
     token_ids: tuple[int, ...] = ()  # the last delta: every completion token
+    logprobs: tuple[TokenLogprob, ...] | None = None  # of this delta's tokens, when asked
+    stop_string: str | None = None  # the last delta: the stop string that ended the text
 
 
 class Generations:
@@ -109,7 +112,10 @@ class Generations:
         stops: list[str],
         ignore_eos: bool = False,
         limit_param: str = "max_tokens",
+        extra: Mapping[str, Any] | None = None,
     ) -> Prepared:
+        """Checked parameters of one generation; ``extra`` sets the other
+        `GenerationParams` fields (penalties, logit_bias, logprobs, grammar)."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.checked_ids(prompt_ids, param="prompt")
@@ -137,7 +143,19 @@ class Generations:
             seed=None if seed is None else seed % SEED_RANGE,
             stop_token_ids=() if ignore_eos else self.stop_token_ids(),
         )
+        if extra:
+            bias = dict(extra).get("logit_bias") or ()
+            self.checked_ids([token for token, _ in bias], param="logit_bias")
+            params = replace(params, **extra)
         return Prepared(uuid.uuid4().hex, params, stops)
+
+    def again(self, prepared: Prepared, index: int) -> Prepared:
+        """Choice ``index`` of an n-choice request: its own id and its own seed."""
+        seed = prepared.params.seed
+        params = replace(
+            prepared.params, seed=None if seed is None else (seed + index) % SEED_RANGE
+        )
+        return Prepared(uuid.uuid4().hex, params, prepared.stops)
 
     async def run(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
         """Deltas of text; raises an `APIError` if the request cannot be served."""
@@ -154,7 +172,11 @@ class Generations:
                         now = time.perf_counter()
                         self._observe_latency(arrived, last, now, len(event.token_ids))
                         last = now
-                        yield Delta(text.push(list(event.token_ids)), backend=job.backend)
+                        yield Delta(
+                            text.push(list(event.token_ids)),
+                            backend=job.backend,
+                            logprobs=event.logprobs,
+                        )
                         if text.stopped:
                             break
                     else:
@@ -219,4 +241,5 @@ class Generations:
             speculative=speculative,
             backend=job.backend,
             token_ids=tuple(job.sent),
+            stop_string=text.matched,
         )

@@ -1,9 +1,9 @@
 """The OpenAI request and response shapes, as pydantic models.
 
-Requests accept unknown fields (clients send many we do not use) but validate
-every field we act on; a few OpenAI features we do not implement are refused
-with a 400 rather than silently ignored, so a client never gets an answer to a
-different question than it asked.
+Requests refuse every field they do not know (a 400 that names it), so a client
+never gets an answer to a different question than it asked; fields that change
+nothing in the answer (``user``, ``metadata``, ``store``...) are listed and accepted.
+Nested objects (messages, tools) stay lenient: clients echo back whole objects.
 """
 
 from typing import Any, Literal
@@ -16,6 +16,12 @@ SEED_RANGE = 1 << 63
 
 class _Lenient(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class _Strict(BaseModel):
+    """A request body: an unknown field is refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Lenient):
@@ -58,7 +64,10 @@ class ChatMessage(_Lenient):
         return "".join(part.text for part in self.content)
 
 
-class _GenerationRequest(_Lenient):
+MAX_CHOICES = 8
+
+
+class GenerationBody(_Strict):
     """Fields shared by chat completions and completions."""
 
     model: str = Field(min_length=1)
@@ -67,14 +76,42 @@ class _GenerationRequest(_Lenient):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=-SEED_RANGE, lt=SEED_RANGE)
     stop: str | list[str] | None = None
-    n: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float | None = Field(None, ge=0, le=0, description="only 0 is supported")
-    presence_penalty: float | None = Field(None, ge=0, le=0, description="only 0 is supported")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=10, description="vendor extension (as in vLLM)"
+    )
+    top_k: int | None = Field(None, ge=0, description="vendor extension; 0 or -1: off")
+    min_p: float | None = Field(None, ge=0, le=1, description="vendor extension")
     ignore_eos: bool | None = Field(
         False, description="vendor extension (as in vLLM): keep generating past EOS"
     )
+    user: str | None = Field(None, description="accepted; changes nothing")
+    metadata: dict[str, Any] | None = Field(None, description="accepted; changes nothing")
+    store: bool | None = Field(None, description="accepted; nothing is stored")
+    service_tier: str | None = Field(None, description="accepted; changes nothing")
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_off(cls, value: object) -> object:
+        return 0 if value == -1 else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids; {key!r} is not")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100]; {bias} is not")
+        return value
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod
@@ -120,24 +157,48 @@ class ChatTemplateKwargs(BaseModel):
     drop_thinking: bool | None = None
 
 
-class ChatCompletionRequest(_GenerationRequest):
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    """``{"type": "function", "function": {"name": ...}}``: call this one."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(GenerationBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = Field(None, description="only false is supported")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = Field(
-        None, description="only 'auto' and 'none' are supported"
-    )
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
     thinking: Thinking | None = None
     reasoning_effort: Literal["high", "max"] | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("logprobs are not supported")
-        return value
 
     @property
     def token_limit(self) -> int | None:
@@ -147,12 +208,13 @@ class ChatCompletionRequest(_GenerationRequest):
 TokenPrompt = list[int]
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationBody):
     prompt: str | list[str] | TokenPrompt | list[TokenPrompt]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool | None = Field(False, description="only false is supported")
-    logprobs: int | None = Field(None, le=0, description="logprobs are not supported")
+    logprobs: int | None = Field(None, ge=0, le=5)
     suffix: str | None = Field(None, max_length=0, description="suffix is not supported")
+    best_of: int | None = Field(None, ge=1, le=1, description="only 1 is supported")
 
     @field_validator("echo")
     @classmethod
@@ -232,7 +294,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -256,7 +318,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -272,7 +334,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class Completion(BaseModel):

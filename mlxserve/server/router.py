@@ -55,6 +55,7 @@ class Job:
             self.params,
             prompt_ids=self.params.prompt_ids + tuple(self.sent),
             max_tokens=self.params.max_tokens - len(self.sent),
+            grammar_prefix=self.params.grammar_prefix + tuple(self.sent),
         )
 
 

@@ -10,7 +10,7 @@ OpenAI-style `error` event before `[DONE]`.
 
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -38,6 +38,35 @@ async def _body(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[s
     finally:
         await chunks.aclose()
     yield "data: [DONE]\n\n"
+
+
+async def _typed_body(
+    chunks: AsyncGenerator[dict[str, Any], None], error: Callable[[APIError], dict[str, Any]]
+) -> AsyncIterator[str]:
+    try:
+        async for chunk in chunks:
+            yield f"event: {chunk['type']}\n{event(chunk)}"
+    except APIError as exc:
+        yield f"event: error\n{event(error(exc))}"
+    except Exception:
+        log.exception("a stream failed")
+        yield f"event: error\n{event(error(InternalError('internal server error')))}"
+    finally:
+        await chunks.aclose()
+
+
+def typed_sse_response(
+    chunks: AsyncGenerator[dict[str, Any], None],
+    error: Callable[[APIError], dict[str, Any]],
+    headers: dict[str, str] | None = None,
+) -> StreamingResponse:
+    """Events named by their ``type`` (Anthropic Messages, OpenAI Responses), no [DONE];
+    an error after the start is an ``error`` event in the API's own shape."""
+    return StreamingResponse(
+        _typed_body(chunks, error),
+        media_type="text/event-stream",
+        headers={**HEADERS, **(headers or {})},
+    )
 
 
 def sse_response(

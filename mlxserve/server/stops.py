@@ -14,6 +14,7 @@ class TextStream:
         self._stops = [stop for stop in stops if stop]
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, token_ids: list[int]) -> str:
         """Add tokens; return the text that is now safe to send."""
@@ -37,10 +38,11 @@ class TextStream:
         return self._release_all()
 
     def _cut_at_stop(self) -> bool:
-        hits = [i for i in (self._pending.find(stop) for stop in self._stops) if i >= 0]
+        hits = [(i, stop) for stop in self._stops if (i := self._pending.find(stop)) >= 0]
         if not hits:
             return False
-        self._pending = self._pending[: min(hits)]
+        at, self.matched = min(hits, key=lambda hit: hit[0])
+        self._pending = self._pending[:at]
         self.stopped = True
         return True
 

@@ -77,7 +77,15 @@ def test_completions_token_prompt(client: TestClient, fake: FakeBackend) -> None
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({**CHAT, "n": 2}, "n"),
+        ({**CHAT, "n": 9}, "n"),
+        ({**CHAT, "frobnicate": 1}, "frobnicate"),
+        ({**CHAT, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "logit_bias": {"5000": 1}}, "logit_bias"),
+        ({**CHAT, "logit_bias": {"x": 1}}, "logit_bias"),
+        ({**CHAT, "response_format": {"type": "yaml"}}, "response_format.type"),
+        ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({**CHAT, "tool_choice": "required"}, "tool_choice"),
         ({**CHAT, "temperature": 3}, "temperature"),
         ({**CHAT, "temperature": "hot"}, "temperature"),
         ({**CHAT, "top_p": 0}, "top_p"),
@@ -85,7 +93,6 @@ def test_completions_token_prompt(client: TestClient, fake: FakeBackend) -> None
         ({**CHAT, "messages": []}, "messages"),
         ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({**CHAT, "stop": ["a"] * 17}, "stop"),
-        ({**CHAT, "logprobs": True}, "logprobs"),
         ({"messages": CHAT["messages"]}, "model"),
         ({**CHAT, "max_tokens": 300}, "max_tokens"),  # prompt + max_tokens > context 256
         ({**CHAT, "max_completion_tokens": 300}, "max_completion_tokens"),
@@ -202,7 +209,7 @@ def test_backend_rejection_is_502_and_not_retried(codec: Codec) -> None:
 
 def test_metrics_count_requests_and_tokens(client: TestClient) -> None:
     client.post("/v1/chat/completions", json=CHAT)
-    client.post("/v1/chat/completions", json={**CHAT, "n": 3})
+    client.post("/v1/chat/completions", json={**CHAT, "n": 9})
     text = client.get("/metrics").text
     assert 'mlxserve_requests_total{endpoint="/v1/chat/completions",status="200"} 1.0' in text
     assert 'mlxserve_requests_total{endpoint="/v1/chat/completions",status="400"} 1.0' in text

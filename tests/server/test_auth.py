@@ -1,4 +1,4 @@
-"""Bearer auth on /v1/*; /health, /ready and /metrics stay open."""
+"""Bearer (or x-api-key) auth on /v1/*; /health, /ready and /metrics stay open."""
 
 from collections.abc import Iterator
 
@@ -36,3 +36,23 @@ def test_any_configured_key_works(secured: TestClient, key: str) -> None:
 def test_probes_stay_open(secured: TestClient) -> None:
     for path in ("/health", "/ready", "/metrics"):
         assert secured.get(path).status_code == 200
+
+
+def test_x_api_key_works_and_anthropic_routes_answer_in_their_shape(secured: TestClient) -> None:
+    assert secured.get("/v1/models", headers={"x-api-key": "k2"}).status_code == 200
+    assert secured.get("/v1/models", headers={"x-api-key": "nope"}).status_code == 401
+    body = {"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    refused = secured.post("/v1/messages", json=body, headers={"x-api-key": "wrong"})
+    assert refused.status_code == 401
+    assert refused.json() == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": refused.json()["error"]["message"]},
+    }
+    count = {"model": "demo", "messages": body["messages"]}
+    counted = secured.post("/v1/messages/count_tokens", json=count, headers={"x-api-key": "k1"})
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] > 0
+    bad = secured.post(
+        "/v1/messages/count_tokens", json={**count, "max_tokens": 2}, headers={"x-api-key": "k1"}
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

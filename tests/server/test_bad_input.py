@@ -45,7 +45,7 @@ def test_error_rows(http: httpx.Client, live: LiveServer) -> None:
     headers = {"content-type": "application/json"}
     assert_error(http.post(post, content=b'{"model": ', headers=headers), 400)
     assert_error(http.post(post, json={**CHAT, "temperature": "warm"}), 400)
-    assert_error(http.post(post, json={**CHAT, "n": 2}), 400)
+    assert_error(http.post(post, json={**CHAT, "n": 9}), 400)
     assert_error(http.post(post, json={**CHAT, "model": "no-such-model"}), 404)
     too_long = {**CHAT, "max_tokens": 10_000_000}
     assert assert_error(http.post(post, json=too_long), 400)["code"] == "context_length_exceeded"

@@ -7,6 +7,7 @@ tokens through `/v1/completions` (greedy): the chat answer must be exactly that 
 split at ``</think>`` into reasoning and content.
 """
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,14 @@ def test_tokenize_errors_and_auth(server: LiveServer, http: httpx.Client, model_
             "chat_template_kwargs.thinking",
         ),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
-        ({"messages": QUESTION, "tool_choice": "required", "tools": [WEATHER]}, "tool_choice"),
+        (
+            {
+                "messages": QUESTION,
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                "tools": [WEATHER],
+            },
+            "tool_choice.function.name",
+        ),
         ({"prompt": [5, 99999]}, "prompt"),
         ({}, "messages"),
     ]
@@ -234,3 +242,62 @@ def test_tool_conversation_is_accepted_and_encoded(
         temperature=0,
     )
     assert response.choices[0].finish_reason in ("stop", "length")
+
+
+def test_anthropic_client_x_api_key_and_thinking_blocks(
+    server: LiveServer, model_dir: Path
+) -> None:
+    import anthropic
+
+    with anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0) as client:
+        reply = client.messages.create(
+            model=model_name(model_dir),
+            max_tokens=24,
+            messages=QUESTION,  # type: ignore[arg-type]
+            thinking={"type": "enabled", "budget_tokens": 1024},
+            extra_body={"temperature": 0},
+        )
+        assert reply.content[0].type == "thinking"
+        with client.messages.stream(
+            model=model_name(model_dir),
+            max_tokens=24,
+            messages=QUESTION,  # type: ignore[arg-type]
+            thinking={"type": "enabled", "budget_tokens": 1024},
+            extra_body={"temperature": 0},
+        ) as stream:
+            final = stream.get_final_message()
+        assert final.content[0].type == "thinking"
+        assert final.content[0].thinking == reply.content[0].thinking  # greedy: equal
+    with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as client:
+        with pytest.raises(anthropic.AuthenticationError) as caught:
+            client.messages.create(model=model_name(model_dir), max_tokens=2, messages=QUESTION)  # type: ignore[arg-type]
+        assert caught.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+
+
+def test_forced_dsml_call_parses(client: openai.OpenAI, model_dir: Path) -> None:
+    """A named tool_choice: the grammar writes DSML, which our DSML parser reads back."""
+    city = {"type": "string", "maxLength": 12}
+    days = {"type": "integer", "enum": [1, 2, 3]}
+    parameters = {"type": "object", "properties": {"city": city, "days": days}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {**parameters, "required": ["city", "days"]},
+        },
+    }
+    response = client.chat.completions.create(
+        model=model_name(model_dir),
+        messages=QUESTION,  # type: ignore[arg-type]
+        tools=[tool],  # type: ignore[list-item]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        parallel_tool_calls=False,
+        max_tokens=400,
+        temperature=0,
+        extra_body={"thinking": {"type": "disabled"}},
+    )
+    [call] = response.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+    assert isinstance(arguments["city"], str) and arguments["days"] in (1, 2, 3)
+    assert response.choices[0].finish_reason == "tool_calls"

@@ -14,6 +14,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from mlxserve.engine.request import TokenLogprob
+
 
 class BackendUnavailable(Exception):
     """The backend cannot serve this request now; another backend may."""
@@ -39,11 +41,37 @@ class GenerationParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    #: An llguidance grammar the answer must follow (`mlxserve.server.constraints`).
+    grammar: str | None = None
+    #: Tokens at the end of the prompt already generated under the grammar (a resume).
+    grammar_prefix: tuple[int, ...] = ()
+
+    @property
+    def plain(self) -> bool:
+        """Only what any OpenAI-compatible completions server understands."""
+        return (
+            self.top_k == 0
+            and self.min_p == 0
+            and self.presence_penalty == 0
+            and self.frequency_penalty == 0
+            and self.repetition_penalty == 1
+            and not self.logit_bias
+            and self.logprobs is None
+            and self.grammar is None
+        )
 
 
 @dataclass(frozen=True)
 class Tokens:
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from mlxserve.channel.messages import (
     encode,
 )
 from mlxserve.channel.messages import Tokens as Tokens_
+from mlxserve.engine.request import TokenLogprob
 from mlxserve.server.backends.base import (
     Backend,
     BackendEvent,
@@ -353,7 +354,12 @@ class LocalEngine(Backend):
             queue = self._streams.get(message.id)
             if queue is not None:
                 self.proof_of_life()
-                queue.put_nowait(Tokens(tuple(message.token_ids)))
+                logprobs = None
+                if message.logprobs is not None:
+                    logprobs = tuple(
+                        TokenLogprob(r.token, r.logprob, tuple(r.top)) for r in message.logprobs
+                    )
+                queue.put_nowait(Tokens(tuple(message.token_ids), logprobs))
         elif isinstance(message, Finish):
             queue = self._streams.get(message.id)
             if queue is None:
@@ -441,6 +447,15 @@ class LocalEngine(Backend):
                     seed=params.seed,
                     stop_token_ids=list(params.stop_token_ids),
                     speculative_depth=None,
+                    top_k=params.top_k,
+                    min_p=params.min_p,
+                    presence_penalty=params.presence_penalty,
+                    frequency_penalty=params.frequency_penalty,
+                    repetition_penalty=params.repetition_penalty,
+                    logit_bias=list(params.logit_bias),
+                    logprobs=params.logprobs,
+                    grammar=params.grammar,
+                    grammar_prefix=list(params.grammar_prefix),
                 )
             )
             while True:

@@ -95,6 +95,13 @@ class RemoteBackend(Backend):
     ) -> AsyncGenerator[BackendEvent, None]:
         if self._client is None:
             raise BackendUnavailable(f"remote '{self.name}' is not connected")
+        if not params.plain:
+            # A text prompt to /completions cannot carry a grammar, a resumed grammar
+            # state or token logprobs faithfully: refused, not answered differently.
+            raise BackendRejected(
+                f"remote '{self.name}' serves only temperature, top_p and seed; "
+                "grammars, penalties, logit_bias, top_k, min_p and logprobs need a local engine"
+            )
         body: dict[str, Any] = {
             "model": self._model,
             "prompt": self._codec.decode(list(params.prompt_ids)),

@@ -8,7 +8,7 @@ reads tool calls, so the same pieces make a `message` or a stream of `delta`s.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,11 +16,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlxserve.engine.request import TokenLogprob
 from mlxserve.models.tool_calls import ParsedToolCall
 from mlxserve.server.chat_output import ChatOutput, Content, Piece, Reasoning
 from mlxserve.server.chat_prompt import ChatPrompt, build_chat_prompt
+from mlxserve.server.choices import fan_out
 from mlxserve.server.codec import Codec
+from mlxserve.server.constraints import after_reasoning, response_format_grammar
+from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.generation import Delta
+from mlxserve.server.logprobs import chat_logprobs
 from mlxserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -37,14 +42,30 @@ from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
     backend_header,
-    collect,
+    collect_each,
     dump,
     parse_body,
     runtime_of,
+    sampling_extra,
     usage_of,
-    with_first,
 )
 from mlxserve.server.sse import sse_response
+
+
+def chat_grammar(body: ChatCompletionRequest, prompt: ChatPrompt) -> str | None:
+    """The answer's grammar: a forced tool call's, or the response format's."""
+    if prompt.grammar is not None:
+        return prompt.grammar  # a forced tool call's, reasoning included
+    grammar = response_format_grammar(body.response_format)
+    if grammar is not None and prompt.reasoning_end is not None:
+        grammar = after_reasoning(grammar, prompt.reasoning_end)
+    return grammar
+
+
+def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
 
 
 async def chat_completions(request: Request) -> Response:
@@ -53,6 +74,9 @@ async def chat_completions(request: Request) -> Response:
     generations = runtime.generations
     generations.check_model(body.model)
     prompt = build_chat_prompt(body, runtime.codec, runtime.settings.chat.thinking)
+    extra = sampling_extra(body)
+    extra["grammar"] = chat_grammar(body, prompt)
+    extra["logprobs"] = chat_logprobs_count(body)
     prepared = generations.prepare(
         prompt.ids,
         max_tokens=body.token_limit,
@@ -62,33 +86,79 @@ async def chat_completions(request: Request) -> Response:
         stops=body.stop_strings(),
         ignore_eos=bool(body.ignore_eos),
         limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        extra=extra,
     )
     meta: dict[str, Any] = {
         "id": f"chatcmpl-{prepared.request_id}",
         "created": int(time.time()),
         "model": body.model,
     }
-    deltas = generations.run(prepared)
-    answer = _Answer(prompt, runtime.codec)
+    n = body.n or 1
+    answers = [Answer(prompt, runtime.codec) for _ in range(n)]
+    tagged = fan_out(generations, prepared, n)
+    first = await anext(tagged)  # the first token, or the error with its real status
     if not body.stream:
+        lasts: dict[int, Delta] = {}
+
+        def add(item: tuple[int, Delta]) -> None:
+            index, delta = item
+            answers[index].add(delta)
+            if delta.finish_reason is not None:
+                lasts[index] = delta
+
         try:
-            _, last = await collect(deltas, request, answer.add)
+            add(first)
+            await collect_each(tagged, request, add)
         except ClientGone:  # nobody to answer; the generation was cancelled
             return Response(status_code=CLIENT_CLOSED)
+        choices = [
+            ChatChoice(
+                index=i,
+                message=answer.message(),
+                finish_reason=answer.finish(lasts[i]),
+                logprobs=answer.logprobs_dict(),
+            )
+            for i, answer in enumerate(answers)
+        ]
+        last = lasts[0]
         completion = ChatCompletion(
             **meta,
-            choices=[ChatChoice(message=answer.message(), finish_reason=answer.finish(last))],
-            usage=answer.usage(last),
+            choices=choices,
+            usage=_total_usage([a.usage(lasts[i]) for i, a in enumerate(answers)]),
             speculative=last.speculative,
         )
         return JSONResponse(dump(completion), headers=backend_header(last))
-    first = await anext(deltas)  # the first token, or the error with its real status
-    chunks = _chunks(with_first(first, deltas), meta, answer, body.include_usage)
-    return sse_response(chunks, headers=backend_header(first))
+    chunks = _chunks(with_first_tagged(first, tagged), meta, answers, body.include_usage)
+    return sse_response(chunks, headers=backend_header(first[1]))
+
+
+def _total_usage(usages: list[Usage]) -> Usage:
+    """n choices: the prompt once, the completions summed (as OpenAI counts them)."""
+    total = usages[0].model_copy()
+    for usage in usages[1:]:
+        total.completion_tokens += usage.completion_tokens
+        total.total_tokens += usage.completion_tokens
+        if usage.completion_tokens_details and total.completion_tokens_details:
+            for key, value in usage.completion_tokens_details.items():
+                total.completion_tokens_details[key] = (
+                    total.completion_tokens_details.get(key, 0) + value
+                )
+    return total
+
+
+async def with_first_tagged(
+    first: tuple[int, Delta], rest: AsyncGenerator[tuple[int, Delta], None]
+) -> AsyncGenerator[tuple[int, Delta], None]:
+    try:
+        yield first
+        async for item in rest:
+            yield item
+    finally:
+        await rest.aclose()
 
 
 @dataclass
-class _Answer:
+class Answer:
     """One answer's pieces as they come, and what its end reports."""
 
     prompt: ChatPrompt
@@ -96,12 +166,15 @@ class _Answer:
     output: ChatOutput = field(init=False)
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         parser = self.prompt.tool_parser() if self.prompt.tool_parser else None
         self.output = ChatOutput(reasoning_end=self.prompt.reasoning_end, tools=parser)
 
     def add(self, delta: Delta) -> list[Piece]:
+        if delta.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *delta.logprobs]
         pieces = self.output.push(delta.text)
         if delta.finish_reason is not None:
             pieces += self.output.finish()
@@ -120,6 +193,10 @@ class _Answer:
             reasoning_content="".join(self.reasoning) if self.prompt.reasoning_end else None,
             tool_calls=[_call_out(call) for call in calls] or None,
         )
+
+    def logprobs_dict(self, records: Sequence[TokenLogprob] | None = None) -> dict[str, Any] | None:
+        records = self.logprobs if records is None else records
+        return None if records is None else chat_logprobs(self.codec, records)
 
     def finish(self, last: Delta) -> str:
         reason = last.finish_reason or "stop"
@@ -166,26 +243,39 @@ def _piece_deltas(pieces: list[Piece], calls_before: int) -> list[ChatDelta]:
 
 
 async def _chunks(
-    deltas: AsyncGenerator[Delta, None],
+    deltas: AsyncGenerator[tuple[int, Delta], None],
     meta: dict[str, Any],
-    answer: _Answer,
+    answers: list[Answer],
     include_usage: bool,
 ) -> AsyncGenerator[dict[str, Any], None]:
-    def chunk(delta: ChatDelta, finish: str | None = None) -> dict[str, Any]:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish)
+    def chunk(
+        index: int,
+        delta: ChatDelta,
+        finish: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
         return dump(ChatCompletionChunk(**meta, choices=[choice]))
 
+    usages: dict[int, Usage] = {}
     try:
-        yield chunk(ChatDelta(role="assistant", content=""))
-        async for delta in deltas:
+        for index in range(len(answers)):
+            yield chunk(index, ChatDelta(role="assistant", content=""))
+        async for index, delta in deltas:
+            answer = answers[index]
             calls_before = len(answer.output.tool_calls)
-            for piece_delta in _piece_deltas(answer.add(delta), calls_before):
-                yield chunk(piece_delta)
+            logprobs = answer.logprobs_dict(delta.logprobs) if delta.logprobs else None
+            piece_deltas = _piece_deltas(answer.add(delta), calls_before)
+            if logprobs is not None and not piece_deltas:
+                piece_deltas = [ChatDelta(content="")]  # the tokens' logprobs, text held back
+            for number, piece_delta in enumerate(piece_deltas):
+                yield chunk(index, piece_delta, logprobs=logprobs if number == 0 else None)
             if delta.finish_reason is not None:
-                yield chunk(ChatDelta(), answer.finish(delta))
-                if include_usage:
-                    usage = answer.usage(delta)
-                    yield dump(ChatCompletionChunk(**meta, choices=[], usage=usage))
+                yield chunk(index, ChatDelta(), answer.finish(delta))
+                usages[index] = answer.usage(delta)
+        if include_usage and usages:
+            usage = _total_usage([usages[i] for i in sorted(usages)])
+            yield dump(ChatCompletionChunk(**meta, choices=[], usage=usage))
     finally:
         await deltas.aclose()
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, Callable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from mlxserve.server.errors import InvalidRequest, from_validation_error, invalid_json
 from mlxserve.server.generation import Delta
-from mlxserve.server.protocol import Usage
+from mlxserve.server.protocol import GenerationBody, Usage
 from mlxserve.server.runtime import Runtime
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -41,8 +41,27 @@ async def parse_body(request: Request, model: type[Model]) -> Model:
         raise from_validation_error(exc) from None
 
 
+Item = TypeVar("Item")
+
+
 class ClientGone(Exception):
     """The client of a non-streamed request disconnected before its answer was ready."""
+
+
+async def collect_each(
+    items: AsyncGenerator[Item, None], request: Request, each: Callable[[Item], object]
+) -> None:
+    """`each` item of a generation as it comes; `ClientGone` if the client goes first."""
+
+    async def gather() -> tuple[str, Delta]:
+        try:
+            async for item in items:
+                each(item)
+        finally:
+            await items.aclose()
+        return "", Delta("")
+
+    await _race(gather(), request)
 
 
 async def collect(
@@ -71,11 +90,17 @@ async def collect(
             await deltas.aclose()
         return "".join(parts), last
 
+    return await _race(gather(), request)
+
+
+async def _race(
+    gathering: Coroutine[None, None, tuple[str, Delta]], request: Request
+) -> tuple[str, Delta]:
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
 
-    work = asyncio.create_task(gather())
+    work = asyncio.create_task(gathering)
     listener = asyncio.create_task(disconnected())
     try:
         await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
@@ -118,3 +143,15 @@ def usage_of(delta: Delta) -> Usage:
 
 def dump(model: BaseModel) -> dict[str, object]:
     return model.model_dump(exclude_none=True)
+
+
+def sampling_extra(body: GenerationBody) -> dict[str, Any]:
+    """The request's sampling fields beyond temperature, top_p and seed."""
+    return {
+        "top_k": body.top_k or 0,
+        "min_p": body.min_p or 0.0,
+        "presence_penalty": body.presence_penalty or 0.0,
+        "frequency_penalty": body.frequency_penalty or 0.0,
+        "repetition_penalty": body.repetition_penalty or 1.0,
+        "logit_bias": body.logit_bias_pairs(),
+    }

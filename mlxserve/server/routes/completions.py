@@ -10,18 +10,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlxserve.engine.request import TokenLogprob
+from mlxserve.server.choices import fan_out
+from mlxserve.server.codec import Codec
 from mlxserve.server.generation import Delta
-from mlxserve.server.protocol import Completion, CompletionChoice, CompletionRequest
+from mlxserve.server.logprobs import completion_logprobs
+from mlxserve.server.protocol import Completion, CompletionChoice, CompletionRequest, Usage
 from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
     backend_header,
-    collect,
+    collect_each,
     dump,
     parse_body,
     runtime_of,
+    sampling_extra,
     usage_of,
-    with_first,
 )
 from mlxserve.server.sse import sse_response
 
@@ -33,6 +37,8 @@ async def completions(request: Request) -> Response:
     generations.check_model(body.model)
     prompt = body.single_prompt()
     prompt_ids = runtime.codec.text_ids(prompt) if isinstance(prompt, str) else prompt
+    extra = sampling_extra(body)
+    extra["logprobs"] = body.logprobs
     prepared = generations.prepare(
         prompt_ids,
         max_tokens=body.max_tokens,
@@ -41,42 +47,101 @@ async def completions(request: Request) -> Response:
         seed=body.seed,
         stops=body.stop_strings(),
         ignore_eos=bool(body.ignore_eos),
+        extra=extra,
     )
     meta: dict[str, Any] = {
         "id": f"cmpl-{prepared.request_id}",
         "created": int(time.time()),
         "model": body.model,
     }
-    deltas = generations.run(prepared)
+    n = body.n or 1
+    tagged = fan_out(generations, prepared, n)
+    first = await anext(tagged)  # the first token, or the error with its real status
     if not body.stream:
+        texts: list[list[str]] = [[] for _ in range(n)]
+        records: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        lasts: dict[int, Delta] = {}
+
+        def add(item: tuple[int, Delta]) -> None:
+            index, delta = item
+            texts[index].append(delta.text)
+            records[index] += delta.logprobs or ()
+            if delta.finish_reason is not None:
+                lasts[index] = delta
+
         try:
-            text, last = await collect(deltas, request)
+            add(first)
+            await collect_each(tagged, request, add)
         except ClientGone:  # nobody to answer; the generation was cancelled
             return Response(status_code=CLIENT_CLOSED)
-        choice = CompletionChoice(text=text, finish_reason=last.finish_reason or "stop")
-        completion = Completion(
-            **meta, choices=[choice], usage=usage_of(last), speculative=last.speculative
-        )
+        choices = [
+            CompletionChoice(
+                index=i,
+                text="".join(texts[i]),
+                finish_reason=lasts[i].finish_reason or "stop",
+                logprobs=_logprobs(runtime.codec, records[i], body.logprobs),
+            )
+            for i in range(n)
+        ]
+        last = lasts[0]
+        usage = _total([usage_of(lasts[i]) for i in range(n)])
+        completion = Completion(**meta, choices=choices, usage=usage, speculative=last.speculative)
         return JSONResponse(dump(completion), headers=backend_header(last))
-    first = await anext(deltas)  # the first token, or the error with its real status
-    chunks = _chunks(with_first(first, deltas), meta, body.include_usage)
-    return sse_response(chunks, headers=backend_header(first))
+    chunks = _chunks(first, tagged, meta, body.include_usage, runtime.codec, body.logprobs)
+    return sse_response(chunks, headers=backend_header(first[1]))
+
+
+def _logprobs(
+    codec: Codec, records: list[TokenLogprob], asked: int | None, offset: int = 0
+) -> dict[str, Any] | None:
+    return None if asked is None else completion_logprobs(codec, records, offset)
+
+
+def _total(usages: list[Usage]) -> Usage:
+    total = usages[0].model_copy()
+    for usage in usages[1:]:
+        total.completion_tokens += usage.completion_tokens
+        total.total_tokens += usage.completion_tokens
+    return total
 
 
 async def _chunks(
-    deltas: AsyncGenerator[Delta, None], meta: dict[str, Any], include_usage: bool
+    first: tuple[int, Delta],
+    rest: AsyncGenerator[tuple[int, Delta], None],
+    meta: dict[str, Any],
+    include_usage: bool,
+    codec: Codec,
+    logprobs: int | None,
 ) -> AsyncGenerator[dict[str, Any], None]:
-    first = True
+    started: set[int] = set()
+    offsets: dict[int, int] = {}
+    usages: dict[int, Usage] = {}
+
+    async def items() -> AsyncGenerator[tuple[int, Delta], None]:
+        yield first
+        async for item in rest:
+            yield item
+
     try:
-        async for delta in deltas:
-            if delta.text or delta.finish_reason is not None or first:
-                first = False
-                choice = CompletionChoice(text=delta.text, finish_reason=delta.finish_reason)
+        async for index, delta in items():
+            if delta.text or delta.finish_reason is not None or index not in started:
+                started.add(index)
+                offset = offsets.get(index, 0)
+                choice = CompletionChoice(
+                    index=index,
+                    text=delta.text,
+                    finish_reason=delta.finish_reason,
+                    logprobs=_logprobs(codec, list(delta.logprobs or ()), logprobs, offset),
+                )
+                offsets[index] = offset + len(delta.text)
                 yield dump(Completion(**meta, choices=[choice]))
-            if delta.finish_reason is not None and include_usage:
-                yield dump(Completion(**meta, choices=[], usage=usage_of(delta)))
+            if delta.finish_reason is not None:
+                usages[index] = usage_of(delta)
+        if include_usage and usages:
+            usage = _total([usages[i] for i in sorted(usages)])
+            yield dump(Completion(**meta, choices=[], usage=usage))
     finally:
-        await deltas.aclose()
+        await rest.aclose()
 
 
 routes = [Route("/v1/completions", completions, methods=["POST"])]

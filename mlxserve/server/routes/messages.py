@@ -1,0 +1,241 @@
+"""POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API.
+
+A thin codec: the request becomes the internal chat request (`to_chat`), which goes
+through the same prompt builder, grammar, generation and answer splitting as the
+chat completions route; the pieces (reasoning, text, tool calls) come out as
+Anthropic content blocks, whole or as its event sequence (``message_start``, per
+block ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
+``message_stop``). Errors leave in Anthropic's shape, ``{"type": "error",
+"error": {"type", "message"}}``, with the same statuses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from mlxserve.models.tool_calls import ParsedToolCall
+from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
+from mlxserve.server.chat_output import Content, Piece, Reasoning
+from mlxserve.server.chat_prompt import build_chat_prompt
+from mlxserve.server.errors import APIError
+from mlxserve.server.generation import Delta
+from mlxserve.server.routes.chat import Answer, chat_grammar
+from mlxserve.server.routes.common import (
+    CLIENT_CLOSED,
+    ClientGone,
+    backend_header,
+    collect,
+    parse_body,
+    runtime_of,
+    sampling_extra,
+    with_first,
+)
+from mlxserve.server.sse import typed_sse_response
+
+#: OpenAI error type by status -> Anthropic's.
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error(error: APIError) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def _anthropic(
+    handler: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return JSONResponse(anthropic_error(exc), status_code=exc.status, headers=exc.headers)
+
+    return wrapped
+
+
+def _stop_reason(answer: Answer, last: Delta) -> str:
+    if answer.output.tool_calls and last.finish_reason == "stop":
+        return "tool_use"
+    if last.stop_string is not None:
+        return "stop_sequence"
+    return "max_tokens" if last.finish_reason == "length" else "end_turn"
+
+
+def _usage(last: Delta) -> dict[str, int]:
+    usage = {"input_tokens": last.prompt_tokens, "output_tokens": last.completion_tokens}
+    if last.cached_tokens:
+        usage["cache_read_input_tokens"] = last.cached_tokens
+    return usage
+
+
+def _tool_block(call: ParsedToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": call.id,
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
+
+
+@_anthropic
+async def messages(request: Request) -> Response:
+    runtime = runtime_of(request)
+    body = await parse_body(request, MessagesRequest)
+    generations = runtime.generations
+    generations.check_model(body.model)
+    chat = to_chat(body)
+    prompt = build_chat_prompt(chat, runtime.codec, runtime.settings.chat.thinking)
+    extra = sampling_extra(chat)
+    extra["grammar"] = chat_grammar(chat, prompt)
+    prepared = generations.prepare(
+        prompt.ids,
+        max_tokens=body.max_tokens,
+        temperature=chat.temperature,
+        top_p=chat.top_p,
+        seed=None,
+        stops=chat.stop_strings(),
+        extra=extra,
+    )
+    message_id = f"msg_{prepared.request_id}"
+    answer = Answer(prompt, runtime.codec)
+    deltas = generations.run(prepared)
+    first = await anext(deltas)  # the first token, or the error with its real status
+    if not body.stream:
+        try:
+            _, last = await collect(with_first(first, deltas), request, answer.add)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        content: list[dict[str, Any]] = []
+        if prompt.reasoning_end is not None:
+            content.append(
+                {"type": "thinking", "thinking": "".join(answer.reasoning), "signature": ""}
+            )
+        text = "".join(answer.content)
+        if text or not answer.output.tool_calls:
+            content.append({"type": "text", "text": text})
+        content += [_tool_block(call) for call in answer.output.tool_calls]
+        reply = {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": body.model,
+            "content": content,
+            "stop_reason": _stop_reason(answer, last),
+            "stop_sequence": last.stop_string,
+            "usage": _usage(last),
+        }
+        return JSONResponse(reply, headers=backend_header(last))
+    head: dict[str, Any] = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": body.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": prepared.prompt_tokens, "output_tokens": 0},
+    }
+    events = _events(with_first(first, deltas), head, answer)
+    return typed_sse_response(events, anthropic_error, headers=backend_header(first))
+
+
+class _Blocks:
+    """The open content block of a stream, and the events that open and close blocks."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None
+
+    def start(self, block: dict[str, Any]) -> list[dict[str, Any]]:
+        events = self.stop()
+        self.index += 1
+        self.open = str(block["type"])
+        events.append({"type": "content_block_start", "index": self.index, "content_block": block})
+        return events
+
+    def stop(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [{"type": "content_block_stop", "index": self.index}]
+
+    def delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self.index, "delta": delta}
+
+    def piece(self, piece: Piece) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if isinstance(piece, Reasoning):
+            if self.open != "thinking":
+                events += self.start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self.delta({"type": "thinking_delta", "thinking": piece.text}))
+        elif isinstance(piece, Content):
+            if self.open != "text":
+                events += self.start({"type": "text", "text": ""})
+            events.append(self.delta({"type": "text_delta", "text": piece.text}))
+        else:
+            events += self.start(
+                {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+            )
+            for fragment in piece.fragments:
+                events.append(self.delta({"type": "input_json_delta", "partial_json": fragment}))
+            events += self.stop()
+        return events
+
+
+async def _events(
+    deltas: AsyncGenerator[Delta, None], head: dict[str, Any], answer: Answer
+) -> AsyncGenerator[dict[str, Any], None]:
+    blocks = _Blocks()
+    try:
+        yield {"type": "message_start", "message": head}
+        async for delta in deltas:
+            for piece in answer.add(delta):
+                for event in blocks.piece(piece):
+                    yield event
+            if delta.finish_reason is None:
+                continue
+            if blocks.index < 0:  # an empty answer is one empty text block
+                for event in blocks.start({"type": "text", "text": ""}):
+                    yield event
+            for event in blocks.stop():
+                yield event
+            yield {
+                "type": "message_delta",
+                "delta": {
+                    "stop_reason": _stop_reason(answer, delta),
+                    "stop_sequence": delta.stop_string,
+                },
+                "usage": _usage(delta),
+            }
+            yield {"type": "message_stop"}
+    finally:
+        await deltas.aclose()
+
+
+@_anthropic
+async def count_tokens(request: Request) -> Response:
+    runtime = runtime_of(request)
+    body = await parse_body(request, CountTokensRequest)
+    runtime.generations.check_model(body.model)
+    prompt = build_chat_prompt(to_chat(body), runtime.codec, runtime.settings.chat.thinking)
+    return JSONResponse({"input_tokens": len(prompt.ids)})
+
+
+routes = [
+    Route("/v1/messages", messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+]
