@@ -61,7 +61,7 @@ def test_override_beats_speed(plan_for: PlanFor, tmp_path: Path) -> None:
 
 
 def test_one_calibrated_rank_covers_its_twins_only(plan_for: PlanFor, tmp_path: Path) -> None:
-    plan = plan_for("cpu,cpu,cuda", state_dir=save(tmp_path, full_faster()))
+    plan = plan_for("cpu,cpu,Apple M3 Ultra", state_dir=save(tmp_path, full_faster()))
     assert [plan.nax_moe(r) for r in range(3)] == ["full", "full", "off"]
     assert plan.ranks[2].decisions["nax_moe"].rule == "nax-moe-no-path"
 
