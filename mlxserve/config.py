@@ -7,7 +7,7 @@ Every field's description is the documentation of that setting.
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_settings import (
@@ -84,12 +84,11 @@ class EngineSettings(_Section):
 
 
 class SpeculativeSettings(_Section):
-    depth: int | None = Field(
+    depth: Annotated[int, Field(ge=0, le=5)] | Literal["auto"] | None = Field(
         None,
-        ge=0,
-        le=5,
-        description="MTP draft depth, 1-5, or 0 for off. Unset: 3 for models with an MTP "
-        "module, 0 otherwise.",
+        description="MTP draft depth, 1-5, 0 for off, or 'auto': chosen per request and "
+        "round from its acceptance and the measured costs. Unset: 'auto' for models with "
+        "an MTP module, 0 otherwise.",
     )
 
 

@@ -2,7 +2,7 @@
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 
@@ -14,7 +14,7 @@ from mlxserve.policy.plan import Plan
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MTP_DEPTH = 3
+DEFAULT_MTP_DEPTH: Literal["auto"] = "auto"
 
 
 @dataclass
@@ -22,11 +22,11 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     adapter: ModelAdapter
-    speculative_depth: int
+    speculative_depth: int | Literal["auto"]
 
 
-def speculative_depth(settings: Settings, model: Any) -> int:
-    """The configured depth, defaulting to 3 for models with an MTP module and 0 otherwise."""
+def speculative_depth(settings: Settings, model: Any) -> int | Literal["auto"]:
+    """The configured depth, defaulting to "auto" for models with an MTP module, else 0."""
     has_mtp = getattr(model, "num_mtp_blocks", 0) > 0
     depth = settings.speculative.depth
     if depth is None:
@@ -34,9 +34,9 @@ def speculative_depth(settings: Settings, model: Any) -> int:
     return depth if has_mtp else 0
 
 
-def adapter_for(model: Any, depth: int) -> ModelAdapter:
+def adapter_for(model: Any, depth: int | Literal["auto"]) -> ModelAdapter:
     """Without drafting the MTP module would only cost time: serve the main model alone."""
-    return MTPAdapter(model) if depth > 0 else PlainAdapter(model)
+    return MTPAdapter(model) if depth == "auto" or depth > 0 else PlainAdapter(model)
 
 
 def materialize(model: Any) -> None:

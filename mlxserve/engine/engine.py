@@ -16,9 +16,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from mlxserve.engine.adapter import ModelAdapter
+from mlxserve.engine.depth import DepthChooser
 from mlxserve.engine.prefix_cache import PrefixCache
 from mlxserve.engine.request import (
     Event,
@@ -60,7 +61,8 @@ _Message = _Submit | _Cancel | None
 class EngineConfig:
     max_running: int = 8
     prefill_step: int = 512
-    speculative_depth: int = 0
+    # 0: off; 1-5: drafts per round; "auto": chosen per round (`mlxserve.engine.depth`)
+    speculative_depth: int | Literal["auto"] = 0
     prefix_cache_entries: int = 16
     prefix_cache_bytes: int = 1 << 30
 
@@ -97,14 +99,22 @@ class Engine:
         self.adapter = adapter
         self.lockstep = lockstep
         self.config = config
-        self.depth = min(config.speculative_depth, adapter.max_draft_depth)
+        auto = config.speculative_depth == "auto"
+        wanted = adapter.max_draft_depth if auto else int(config.speculative_depth)
+        self.depth = min(wanted, adapter.max_draft_depth)
+        # Automatic depth: per request and round, from acceptance and measured costs.
+        self.auto = auto and self.depth > 0
+        self.chooser: DepthChooser | None = None
         cache = None
         if config.prefix_cache_entries > 0:
             cache = PrefixCache(adapter, config.prefix_cache_entries, config.prefix_cache_bytes)
         self.prefix_cache = cache
         self.runner = Runner(adapter, cache)
         self.scheduler = Scheduler(
-            config.max_running, config.prefill_step, on_admit=self.runner.attach_state
+            config.max_running,
+            config.prefill_step,
+            on_admit=self.runner.attach_state,
+            depth_for=self._depth_for,
         )
         self.before_step = before_step
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
@@ -211,13 +221,40 @@ class Engine:
             error = f"request id {request.request_id!r} is already in flight"
             stream.put(FinishEvent(request.request_id, "error", usage, None, error))
             return False
+        auto = self.auto and request.speculative_depth is None
         depth = self.depth if request.speculative_depth is None else request.speculative_depth
         depth = max(0, min(depth, self.adapter.max_draft_depth))
-        sequence = Sequence(request=request, keys=KeyStream(request.sampling.seed), depth=depth)
-        sequence.stats.depth = depth
+        sequence = Sequence(
+            request=request, keys=KeyStream(request.sampling.seed), depth=depth, auto=auto
+        )
+        sequence.stats.depth = "auto" if auto else depth
+        if auto and self.chooser is None:
+            self.chooser = self._calibrate()
         self._streams[request.request_id] = stream
         self.scheduler.add(sequence)
         return True
+
+    def _calibrate(self) -> DepthChooser:
+        """Time the round's parts once, on the first request with an automatic depth."""
+        measure = getattr(self.adapter, "measure_costs", None)
+        assert measure is not None, "an automatic depth needs an adapter with measure_costs"
+        costs = measure()
+        log.info(
+            "speculative round costs (ms): plain %.2f, draft %.2f, verify %s",
+            costs.plain * 1e3,
+            costs.draft * 1e3,
+            {k: round(v * 1e3, 2) for k, v in costs.verify.items()},
+        )
+        chooser = DepthChooser(max_depth=self.depth, calibrated=costs)
+        self.runner.chooser = chooser
+        return chooser
+
+    def _depth_for(self, sequence: Sequence) -> int:
+        """Drafts for the sequence's next round: its fixed depth, or the chooser's pick."""
+        if not sequence.auto or self.chooser is None:
+            return sequence.depth
+        depth = self.chooser.choose(sequence.stats, sequence.plain_streak)
+        return min(depth, sequence.depth)
 
     def _run(self, plan: StepPlan) -> None:
         sequences = [s for rid in plan.request_ids if (s := self.scheduler.find(rid))]

@@ -9,10 +9,12 @@ delegated to the adapter.
 """
 
 import logging
+import time
 
 import mlx.core as mx
 
 from mlxserve.engine.adapter import ModelAdapter
+from mlxserve.engine.depth import DepthChooser
 from mlxserve.engine.prefix_cache import PrefixCache
 from mlxserve.engine.sampling import sample, token_id
 from mlxserve.engine.sequence import Phase, Sequence
@@ -51,6 +53,8 @@ class Runner:
     def __init__(self, adapter: ModelAdapter, prefix_cache: PrefixCache | None) -> None:
         self.adapter = adapter
         self.prefix_cache = prefix_cache
+        # Set by the engine when a request chooses its depth per round.
+        self.chooser: DepthChooser | None = None
 
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
@@ -149,14 +153,51 @@ class Runner:
         return emitted
 
     def _speculate(self, sequence: Sequence, depth: int) -> list[int]:
+        """A round at `depth` drafts; with an automatic depth, 0 is a pipelined plain step.
+
+        Plain steps leave the next token pending (sampled, not yet read); a round
+        that follows them reads it first and drafts after it.
+        """
         assert sequence.state is not None and sequence.generated
-        depth = min(depth, sequence.budget - 1)
         drafter = getattr(self.adapter, "speculate", None)
         if depth <= 0 or drafter is None:
-            logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
-            return [token_id(sample(logits, sequence.request.sampling, sequence.keys.next()))]
+            started = time.perf_counter()
+            if sequence.pending is None:
+                logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
+                sequence.pending = sample(logits, sequence.request.sampling, sequence.keys.next())
+                mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+                clean = False
+            else:
+                clean = True
+            tokens = self._decode(sequence)
+            sequence.stats.count_step(0)
+            sequence.plain_streak += 1
+            if clean and sequence.pending is not None:
+                self._observe(0, time.perf_counter() - started)
+            return tokens
+        first: list[int] = []
+        if sequence.pending is not None:
+            first = [token_id(sequence.pending)]
+            sequence.pending = None
+        last = first[-1] if first else sequence.generated[-1]
+        depth = min(depth, sequence.budget - len(first) - 1)
+        if depth <= 0:
+            if sequence.budget - len(first) <= 0:
+                return first
+            logits = self.adapter.step(sequence.state, mx.array([last]))
+            token = sample(logits, sequence.request.sampling, sequence.keys.next())
+            return [*first, token_id(token)]
+        started = time.perf_counter()
         tokens, drafted, accepted = drafter(
-            sequence.state, sequence.generated[-1], depth, sequence.request.sampling, sequence.keys
+            sequence.state, last, depth, sequence.request.sampling, sequence.keys
         )
+        self._observe(depth, time.perf_counter() - started)
         sequence.stats.record(drafted, accepted)
-        return list(tokens)
+        sequence.plain_streak = 0
+        if self.chooser is not None:
+            self.chooser.record(drafted, accepted)
+        return [*first, *tokens]
+
+    def _observe(self, depth: int, seconds: float) -> None:
+        if self.chooser is not None:
+            self.chooser.observe(depth, seconds)

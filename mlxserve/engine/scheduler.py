@@ -23,6 +23,7 @@ class Scheduler:
         max_running: int,
         prefill_step: int,
         on_admit: Callable[[Sequence], None] | None = None,
+        depth_for: Callable[[Sequence], int] | None = None,
     ) -> None:
         if max_running < 1 or prefill_step < 1:
             raise ValueError("max_running and prefill_step must be >= 1")
@@ -30,6 +31,8 @@ class Scheduler:
         self.prefill_step = prefill_step
         # Called when a request starts running (the engine attaches its model state).
         self.on_admit = on_admit
+        # The drafts of a speculative request's next round (default: its fixed depth).
+        self.depth_for = depth_for or (lambda sequence: sequence.depth)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._steps = 0
@@ -79,7 +82,7 @@ class Scheduler:
         if ids is plain:
             return self._plan("decode", ids, 1)
         sequence = next(s for s in decoding if s.request_id == ids[0])
-        return self._plan("speculate", ids, sequence.depth)
+        return self._plan("speculate", ids, self.depth_for(sequence))
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:

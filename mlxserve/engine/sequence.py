@@ -33,6 +33,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     cancelled: bool = False
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
+    # The depth is chosen per round (`mlxserve.engine.depth`); `depth` is its ceiling.
+    auto: bool = False
+    # plain steps since the last speculative round (an automatic depth probes again)
+    plain_streak: int = 0
 
     @property
     def request_id(self) -> str:

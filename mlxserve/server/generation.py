@@ -196,8 +196,11 @@ class Generations:
         self.metrics.duration.observe(time.perf_counter() - arrived)
         speculative = finish.speculative if finish is not None else None
         if speculative:
+            chosen = speculative.get("depths_chosen")
             self.metrics.record_speculative(
-                int(speculative.get("drafted", 0)), int(speculative.get("accepted", 0))
+                int(speculative.get("drafted", 0)),
+                int(speculative.get("accepted", 0)),
+                {str(k): int(v) for k, v in chosen.items()} if isinstance(chosen, dict) else None,
             )
         return Delta(
             tail,

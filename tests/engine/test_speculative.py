@@ -46,6 +46,24 @@ def test_greedy_speculation_equals_plain_decoding(v4: Module, depth: int) -> Non
         assert isinstance(per_depth, list) and len(per_depth) == depth
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_automatic_depth_keeps_the_output(v4: Module, temperature: float) -> None:
+    """Rounds at the depths it chooses, plain steps in between: greedy output equals
+    plain decoding; sampling runs to the end. (A seeded sample is reproducible only at
+    a fixed depth: the chosen depths follow measured times.)"""
+    engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
+    assert engine.auto and engine.depth == 5
+    sampling = SamplingParams(temperature=temperature, seed=3)
+    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 40, sampling))["a"]
+    assert finish.speculative is not None and finish.speculative["depth"] == "auto"
+    chosen = finish.speculative["depths_chosen"]
+    assert isinstance(chosen, dict) and sum(chosen.values()) > 0
+    if temperature == 0:
+        assert tokens == plain_greedy(v4, PROMPT, 40)
+    else:
+        assert len(tokens) == 40 and all(0 <= t < 61 for t in tokens)
+
+
 def test_prefix_cache_hit_keeps_speculation_exact(v4: Module) -> None:
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth=3))
     first, _ = run(engine, GenerationRequest("a", PROMPT, 20))["a"]

@@ -1,0 +1,70 @@
+"""The automatic speculative depth: the choice follows acceptance and costs."""
+
+import pytest
+
+from mlxserve.engine.depth import (
+    PROBE_EVERY,
+    DepthChooser,
+    choose_depth,
+    conditional_acceptance,
+    expected_tokens,
+)
+from mlxserve.engine.mtp_adapter import RoundCosts
+from mlxserve.engine.request import SpeculativeStats
+
+# A GPU-like round: verifying k + 1 tokens costs about one step, a draft 1/40 of one.
+CHEAP_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.02 * k for k in range(1, 6)}, draft=0.025)
+# A CPU-like round: verify grows with k, a draft costs a third of a step (3-layer demo).
+DEAR_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.3 * k for k in range(1, 6)}, draft=0.33)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1.875)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
+
+
+def test_high_acceptance_and_cheap_verify_draft_deep() -> None:
+    assert choose_depth([0.85] * 5, CHEAP_VERIFY) >= 4
+
+
+def test_speculation_that_does_not_pay_picks_zero() -> None:
+    assert choose_depth([0.2] * 5, DEAR_VERIFY) == 0
+    assert choose_depth([0.02] * 5, CHEAP_VERIFY) == 0
+
+
+def test_dear_verify_drafts_shallow() -> None:
+    assert choose_depth([0.7, 0.6, 0.5, 0.4, 0.3], DEAR_VERIFY) == 1
+
+
+def test_a_large_batch_turns_speculation_off() -> None:
+    assert choose_depth([0.85] * 5, CHEAP_VERIFY, batch_size=1) > 0
+    assert choose_depth([0.85] * 5, CHEAP_VERIFY, batch_size=8) == 0
+
+
+def test_conditional_acceptance_moves_from_the_prior_to_the_counts() -> None:
+    stats = SpeculativeStats()
+    assert conditional_acceptance(stats, [0.6] * 3, 3) == pytest.approx([0.6] * 3)
+    for _ in range(200):
+        stats.record(2, 1)  # the first draft always kept, the second never
+    first, second, third = conditional_acceptance(stats, [0.6] * 3, 3)
+    assert first > 0.97 and second < 0.03
+    assert third == pytest.approx(0.6)  # never drafted: the prior
+
+
+def test_chooser_follows_observed_costs_and_probes() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
+    good = SpeculativeStats()
+    for _ in range(50):
+        good.record(3, 3)
+    assert chooser.choose(good, plain_streak=0) >= 3
+    bad = SpeculativeStats()
+    for _ in range(50):
+        bad.record(1, 0)
+    assert chooser.choose(bad, plain_streak=0) == 0
+    assert chooser.choose(bad, plain_streak=PROBE_EVERY) == 1
+    # Rounds observed to be far dearer than plain steps: plain decoding wins.
+    chooser.observe(0, 1.0)
+    for depth in range(1, 6):
+        chooser.observe(depth, 50.0)
+    assert chooser.choose(good, plain_streak=0) == 0
