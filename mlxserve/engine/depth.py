@@ -78,6 +78,7 @@ class DepthChooser:
     calibrated: RoundCosts
     observed: dict[int, float] = field(default_factory=dict)
     history: SpeculativeStats = field(default_factory=SpeculativeStats)
+    seen: set[int] = field(default_factory=set)
 
     def costs(self) -> RoundCosts:
         """Calibrated costs, replaced by observed round times where there are some;
@@ -94,8 +95,18 @@ class DepthChooser:
         return RoundCosts(plain=plain, verify=rounds, draft=0.0)
 
     def observe(self, depth: int, seconds: float) -> None:
+        """A measured step or round. The first at each depth is dropped (kernels for
+        its shapes compile on first use, on CUDA for hundreds of ms), and one outlier
+        moves the estimate by at most a factor of 2."""
+        if depth not in self.seen:
+            self.seen.add(depth)
+            return
         old = self.observed.get(depth)
-        self.observed[depth] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        if old is None:
+            self.observed[depth] = seconds
+            return
+        seconds = min(max(seconds, old / 2), old * 2)
+        self.observed[depth] = old + SMOOTHING * (seconds - old)
 
     def prior(self) -> list[float]:
         """Acceptance per position over the requests this engine has served so far."""

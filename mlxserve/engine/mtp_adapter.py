@@ -193,7 +193,7 @@ class MTPAdapter:
         with the round's sync, a draft as one link of a synced chain of drafts."""
         depth = self.max_draft_depth
         state = self.new_state(max_rollback=max(repeats, depth) + 1)
-        self.prefill(state, [(7 * i + 3) % 50 for i in range(context)])
+        self.prefill(state, [(7 * i + 3) % int(self.model.args.vocab_size) for i in range(context)])
         token = mx.array([1], mx.int32)
         self.step(state, token)
         mx.eval(state.carry, [c.state for c in state.cache])
@@ -215,11 +215,14 @@ class MTPAdapter:
             return elapsed / repeats
 
         costs = RoundCosts(plain=median(plain, 3))
+        vocab = int(self.model.args.vocab_size)
+        varied = mx.array([(31 * i + 11) % vocab for i in range(depth + 1)], mx.int32)
         for k in range(1, depth + 1):
 
             def verify(k: int = k) -> float:
                 start = time.perf_counter()
-                streams = self.model.forward_hidden(mx.ones((1, k + 1), mx.int32), state.cache)
+                # Distinct tokens: identical ones would route to the same experts.
+                streams = self.model.forward_hidden(varied[None, : k + 1], state.cache)
                 logits = self.model.head_from_streams(streams)
                 mx.eval(mx.argmax(logits, axis=-1), streams, [c.state for c in state.cache])
                 elapsed = time.perf_counter() - start
