@@ -3,7 +3,7 @@
 A DeepSeek-V4-Flash-shaped model (43 layers and one MTP block by default, widths
 scaled down, random weights, 4-bit experts as the demo is served) is timed for a
 plain decode step, the verify forward of k + 1 tokens and one draft forward
-(`MTPAdapter.measure_costs`, the engine's own calibration). Then real speculative
+(`round_costs.measure_round_costs`, the engine's own calibration). Then real speculative
 rounds run through the engine with ORACLE drafts: each draft is the main model's own
 greedy token with probability a, else a wrong one (the MTP forwards still run; only
 their token is replaced). Per (a, k) it reports
@@ -37,6 +37,7 @@ from mlxserve.engine.drive import run_to_completion
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.engine.round_costs import measure_round_costs
 from mlxserve.hardware.probe import benchmark_device
 
 ACCEPTANCES = (0.5, 0.7, 0.85)
@@ -161,7 +162,7 @@ def main() -> None:
     one_run(plain, prompt, args.tokens, "warm-up")  # kernels for every shape compiled
     rate0, reference_out, _ = one_run(plain, prompt, args.tokens, "reference")
     reference = [*prompt, *reference_out]
-    costs = MTPAdapter(model).measure_costs(context=args.prompt + args.tokens // 2)
+    costs = measure_round_costs(MTPAdapter(model), context=args.prompt + args.tokens // 2)
     step = costs.plain
     result: dict[str, Any] = {
         "benchmark": "mtp_cost",

@@ -10,15 +10,15 @@ when no depth beats plain decoding.
 Estimates start from a prior (what earlier requests on this engine accepted, or a
 neutral guess) and move to the request's own counts; a request decoding plainly
 probes depth 1 now and then, so an acceptance that rises is noticed. Round costs
-start from a calibration (`MTPAdapter.measure_costs`) and follow the round times
+start from a calibration (`round_costs.measure_round_costs`) and follow the round times
 the engine observes.
 """
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mlxserve.engine.mtp_adapter import RoundCosts
 from mlxserve.engine.request import SpeculativeStats
+from mlxserve.engine.round_costs import RoundCosts
 
 #: Acceptance assumed for a draft position nothing is known about yet.
 NEUTRAL_ACCEPTANCE = 0.6

@@ -9,8 +9,8 @@ from mlxserve.engine.depth import (
     conditional_acceptance,
     expected_tokens,
 )
-from mlxserve.engine.mtp_adapter import RoundCosts
 from mlxserve.engine.request import SpeculativeStats
+from mlxserve.engine.round_costs import RoundCosts
 
 # A GPU-like round: verifying k + 1 tokens costs about one step, a draft 1/40 of one.
 CHEAP_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.02 * k for k in range(1, 6)}, draft=0.025)
@@ -63,8 +63,19 @@ def test_chooser_follows_observed_costs_and_probes() -> None:
         bad.record(1, 0)
     assert chooser.choose(bad, plain_streak=0) == 0
     assert chooser.choose(bad, plain_streak=PROBE_EVERY) == 1
-    # Rounds observed to be far dearer than plain steps: plain decoding wins.
-    chooser.observe(0, 1.0)
-    for depth in range(1, 6):
-        chooser.observe(depth, 50.0)
+    # Rounds observed to be far dearer than plain steps: plain decoding wins. The
+    # first time at each depth is dropped (it includes compiling kernels).
+    for _ in range(2):
+        chooser.observe(0, 1.0)
+        for depth in range(1, 6):
+            chooser.observe(depth, 50.0)
     assert chooser.choose(good, plain_streak=0) == 0
+
+
+def test_one_outlier_moves_the_estimate_at_most_twofold() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
+    chooser.observe(2, 99.0)  # first: dropped
+    assert 2 not in chooser.observed
+    chooser.observe(2, 1.0)
+    chooser.observe(2, 1000.0)
+    assert chooser.observed[2] == pytest.approx(1.2)  # 1 + 0.2 * (2 - 1)
