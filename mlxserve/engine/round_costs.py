@@ -30,14 +30,19 @@ class RoundCosts:
 
 
 def measure_round_costs(
-    adapter: MTPAdapter, trials: int = 5, steps: int = 8, context: int = 32
+    adapter: MTPAdapter,
+    trials: int = 5,
+    steps: int = 8,
+    context: int = 32,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> RoundCosts:
     """A plain step, verify(k) for every k and one draft forward, on a throw-away state
     of `context` tokens, each timed as the engine runs it: plain steps pipelined (the
     next queued before the last is read), a verify forward with the round's sync, a
     draft as one link of a synced chain. The measurements are interleaved and the
     median of `trials` kept (after one untimed pass: kernels compile on first use),
-    so a machine whose speed drifts affects them alike."""
+    so a machine whose speed drifts affects them alike. `clock`: benchmarks on a
+    shared CPU pass `time.process_time`."""
     model = adapter.model
     depth = adapter.max_draft_depth
     vocab = int(model.args.vocab_size)
@@ -50,22 +55,22 @@ def measure_round_costs(
     varied = mx.array([(31 * i + 11) % vocab for i in range(depth + 1)], mx.int32)
 
     def plain() -> float:
-        start = time.perf_counter()
+        start = clock()
         current = token
         for _ in range(steps):
             current = mx.argmax(adapter.step(state, current)).reshape(1)
             mx.async_eval(current)  # type: ignore[no-untyped-call]
         mx.eval(current, [c.state for c in state.cache])
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         trim_steps(state, steps)
         return elapsed / steps
 
     def verify(k: int) -> float:
-        start = time.perf_counter()
+        start = clock()
         streams = model.forward_hidden(varied[None, : k + 1], state.cache)
         logits = model.head_from_streams(streams)
         mx.eval(mx.argmax(logits, axis=-1), streams, [c.state for c in state.cache])
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         for cache in state.cache:
             trim_exactly(cache, k + 1)
         return elapsed
@@ -73,13 +78,13 @@ def measure_round_costs(
     def draft() -> float:
         carry = state.carry
         assert carry is not None
-        start = time.perf_counter()
+        start = clock()
         streams, current = carry[:, -1:], token[None]
         for _ in range(depth):
             logits, streams = model.mtp_forward(streams, current, state.mtp_cache[0], 0)
             current = mx.argmax(logits[:, -1:], axis=-1)
         mx.eval(current, state.mtp_cache[0].state)
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         trim_exactly(state.mtp_cache[0], depth)
         return elapsed / depth
 
