@@ -9,7 +9,8 @@ when no depth beats plain decoding.
 
 Estimates start from a prior (what earlier requests on this engine accepted, or a
 neutral guess) and move to the request's own counts; a request decoding plainly
-probes depth 1 now and then, so an acceptance that rises is noticed. Round costs
+probes depth 1 now and then, so an acceptance that rises is noticed, and one
+that speculates drafts one deeper now and then, so the next depth is measured. Round costs
 start from a calibration (`round_costs.measure_round_costs`) and follow the round times
 the engine observes.
 """
@@ -26,6 +27,9 @@ NEUTRAL_ACCEPTANCE = 0.6
 PRIOR_ROUNDS = 4.0
 #: A request decoding plainly tries depth 1 after this many plain steps.
 PROBE_EVERY = 32
+#: Every this many rounds, a request drafts one deeper than its choice: the depth
+#: beyond gets acceptance counts and measured round times instead of guesses.
+EXPLORE_EVERY = 8
 #: Weight of a new observation in the running round times.
 SMOOTHING = 0.2
 
@@ -121,8 +125,11 @@ class DepthChooser:
     def choose(self, stats: SpeculativeStats, plain_streak: int, batch_size: int = 1) -> int:
         acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)
         depth = choose_depth(acceptance, self.costs(), batch_size, self.max_depth)
-        if depth == 0 and plain_streak >= PROBE_EVERY:
-            return 1
+        if depth == 0:
+            return 1 if plain_streak >= PROBE_EVERY else 0
+        rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
+        if rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            return min(depth + 1, self.max_depth)
         return depth
 
     def record(self, drafted: int, accepted: int) -> None:

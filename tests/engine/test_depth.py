@@ -3,6 +3,7 @@
 import pytest
 
 from mlxserve.engine.depth import (
+    EXPLORE_EVERY,
     PROBE_EVERY,
     DepthChooser,
     choose_depth,
@@ -70,6 +71,16 @@ def test_chooser_follows_observed_costs_and_probes() -> None:
         for depth in range(1, 6):
             chooser.observe(depth, 50.0)
     assert chooser.choose(good, plain_streak=0) == 0
+
+
+def test_every_eighth_round_drafts_one_deeper() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    stats = SpeculativeStats()
+    for kept in (1, 1, 0, 1, 1, 0):
+        stats.record(1, kept)
+    assert chooser.choose(stats, plain_streak=0) == 1
+    stats.record(1, 1)  # the 8th round comes next
+    assert EXPLORE_EVERY == 8 and chooser.choose(stats, plain_streak=0) == 2
 
 
 def test_one_outlier_moves_the_estimate_at_most_twofold() -> None:
