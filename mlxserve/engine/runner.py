@@ -191,7 +191,10 @@ class Runner:
         tokens, drafted, accepted = drafter(
             sequence.state, last, depth, sequence.request.sampling, sequence.keys
         )
-        self._observe(depth, time.perf_counter() - started)
+        if not first:
+            # After plain steps the first draft also folds their MTP entries in: a
+            # dearer round than the steady ones, so it is not timed.
+            self._observe(depth, time.perf_counter() - started)
         sequence.stats.record(drafted, accepted)
         sequence.plain_streak = 0
         if self.chooser is not None:
