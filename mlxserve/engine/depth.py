@@ -30,6 +30,8 @@ PROBE_EVERY = 32
 #: Every this many rounds, a request drafts one deeper than its choice: the depth
 #: beyond gets acceptance counts and measured round times instead of guesses.
 EXPLORE_EVERY = 8
+#: How much better (relative rate) another depth must look to replace the current.
+SWITCH_MARGIN = 0.05
 #: Weight of a new observation in the running round times.
 SMOOTHING = 0.2
 
@@ -44,7 +46,11 @@ def expected_tokens(acceptance: Sequence[float], depth: int) -> float:
 
 
 def choose_depth(
-    acceptance: Sequence[float], costs: RoundCosts, batch_size: int = 1, max_depth: int = 5
+    acceptance: Sequence[float],
+    costs: RoundCosts,
+    batch_size: int = 1,
+    max_depth: int = 5,
+    current: int | None = None,
 ) -> int:
     """The depth with the most expected tokens per second for one request.
 
@@ -52,12 +58,16 @@ def choose_depth(
     step costs about one step for all of them (decoding is bound by launches and
     weight reads), while a round verifies one request: plain decoding's rate per step
     grows with the batch, so a large batch turns speculation off.
+
+    ``current``: the depth in use; another must beat it by ``SWITCH_MARGIN``, so
+    timing noise does not flip the choice back and forth.
     """
-    best, best_rate = 0, max(batch_size, 1) / costs.round(0)
+    rates = {0: max(batch_size, 1) / costs.round(0)}
     for depth in range(1, min(max_depth, len(acceptance)) + 1):
-        rate = expected_tokens(acceptance, depth) / costs.round(depth)
-        if rate > best_rate:
-            best, best_rate = depth, rate
+        rates[depth] = expected_tokens(acceptance, depth) / costs.round(depth)
+    best = max(rates, key=lambda depth: rates[depth])
+    if current in rates and rates[best] < rates[current] * (1 + SWITCH_MARGIN):
+        return current
     return best
 
 
@@ -123,14 +133,20 @@ class DepthChooser:
         return rates
 
     def choose(self, stats: SpeculativeStats, plain_streak: int, batch_size: int = 1) -> int:
+        return self.pick(stats, plain_streak, None, batch_size)[0]
+
+    def pick(
+        self, stats: SpeculativeStats, plain_streak: int, current: int | None, batch_size: int = 1
+    ) -> tuple[int, int]:
+        """(depth to run now, depth chosen): they differ on a probe or an exploration."""
         acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)
-        depth = choose_depth(acceptance, self.costs(), batch_size, self.max_depth)
+        depth = choose_depth(acceptance, self.costs(), batch_size, self.max_depth, current)
         if depth == 0:
-            return 1 if plain_streak >= PROBE_EVERY else 0
+            return (1 if plain_streak >= PROBE_EVERY else 0), 0
         rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
         if rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            return min(depth + 1, self.max_depth)
-        return depth
+            return min(depth + 1, self.max_depth), depth
+        return depth, depth
 
     def record(self, drafted: int, accepted: int) -> None:
         self.history.record(drafted, accepted)

@@ -253,7 +253,9 @@ class Engine:
         """Drafts for the sequence's next round: its fixed depth, or the chooser's pick."""
         if not sequence.auto or self.chooser is None:
             return sequence.depth
-        depth = self.chooser.choose(sequence.stats, sequence.plain_streak)
+        depth, sequence.chosen_depth = self.chooser.pick(
+            sequence.stats, sequence.plain_streak, sequence.chosen_depth
+        )
         return min(depth, sequence.depth)
 
     def _run(self, plan: StepPlan) -> None:

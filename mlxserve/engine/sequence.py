@@ -37,6 +37,8 @@ class Sequence:
     auto: bool = False
     # plain steps since the last speculative round (an automatic depth probes again)
     plain_streak: int = 0
+    # the automatic depth in use (None: none chosen yet)
+    chosen_depth: int | None = None
 
     @property
     def request_id(self) -> str:

@@ -38,6 +38,16 @@ def test_dear_verify_drafts_shallow() -> None:
     assert choose_depth([0.7, 0.6, 0.5, 0.4, 0.3], DEAR_VERIFY) == 1
 
 
+def test_a_close_call_keeps_the_current_depth() -> None:
+    acceptance = [0.7, 0.6, 0.5, 0.4, 0.3]
+    best = choose_depth(acceptance, CHEAP_VERIFY)
+    rates = {k: expected_tokens(acceptance, k) / CHEAP_VERIFY.round(k) for k in range(6)}
+    close = [k for k in range(6) if k != best and rates[k] * 1.05 > rates[best]]
+    assert close  # a depth within the margin of the best
+    assert choose_depth(acceptance, CHEAP_VERIFY, current=close[0]) == close[0]
+    assert choose_depth(acceptance, CHEAP_VERIFY, current=0) == best  # far from it
+
+
 def test_a_large_batch_turns_speculation_off() -> None:
     assert choose_depth([0.85] * 5, CHEAP_VERIFY, batch_size=1) > 0
     assert choose_depth([0.85] * 5, CHEAP_VERIFY, batch_size=8) == 0
