@@ -7,9 +7,9 @@ Every field's description is the documentation of that setting.
 
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -84,12 +84,24 @@ class EngineSettings(_Section):
 
 
 class SpeculativeSettings(_Section):
-    depth: Annotated[int, Field(ge=0, le=5)] | Literal["auto"] | None = Field(
+    depth: int | Literal["auto"] | None = Field(
         None,
         description="MTP draft depth, 1-5, 0 for off, or 'auto': chosen per request and "
         "round from its acceptance and the measured costs. Unset: 'auto' for models with "
         "an MTP module, 0 otherwise.",
     )
+
+    @field_validator("depth", mode="before")
+    @classmethod
+    def _depth(cls, value: Any) -> Any:
+        """One message for every bad depth (not one per member of the union)."""
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 5:
+            return value
+        raise ValueError("must be 0-5 or 'auto'")
 
 
 class ServerSettings(_Section):
