@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 StepHook = Callable[[StepPlan], None]
 
+#: The depth of a seeded, sampled request when the engine's depth is automatic.
+SEEDED_DEPTH = 2
+
 
 @dataclass(frozen=True)
 class _Submit:
@@ -223,6 +226,10 @@ class Engine:
             return False
         auto = self.auto and request.speculative_depth is None
         depth = self.depth if request.speculative_depth is None else request.speculative_depth
+        if auto and request.sampling.seed is not None and not request.sampling.greedy:
+            # The chosen depths follow timings, and the samples follow the depths: a
+            # seed reproduces its completion only at a fixed depth.
+            auto, depth = False, SEEDED_DEPTH
         depth = max(0, min(depth, self.adapter.max_draft_depth))
         sequence = Sequence(
             request=request, keys=KeyStream(request.sampling.seed), depth=depth, auto=auto
