@@ -235,14 +235,14 @@ class Engine:
             request=request, keys=KeyStream(request.sampling.seed), depth=depth, auto=auto
         )
         sequence.stats.depth = "auto" if auto else depth
-        if auto and self.chooser is None:
-            self.chooser = self._calibrate()
         self._streams[request.request_id] = stream
         self.scheduler.add(sequence)
         return True
 
     def _calibrate(self) -> DepthChooser:
-        """Time the round's parts once, on the first request with an automatic depth."""
+        """Time the round's parts once, inside the first speculative step of a request
+        with an automatic depth: under tensor parallelism every rank runs that step, so
+        the calibration's forwards (and their collectives) line up on all ranks."""
         measure = getattr(self.adapter, "measure_costs", None)
         assert measure is not None, "an automatic depth needs an adapter with measure_costs"
         costs = measure()
@@ -257,9 +257,12 @@ class Engine:
         return chooser
 
     def _depth_for(self, sequence: Sequence) -> int:
-        """Drafts for the sequence's next round: its fixed depth, or the chooser's pick."""
-        if not sequence.auto or self.chooser is None:
+        """Drafts for the sequence's next round: its fixed depth, or the chooser's pick
+        (before the first calibration, `SEEDED_DEPTH`)."""
+        if not sequence.auto:
             return sequence.depth
+        if self.chooser is None:
+            return min(SEEDED_DEPTH, sequence.depth)
         depth, sequence.chosen_depth = self.chooser.pick(
             sequence.stats, sequence.plain_streak, sequence.chosen_depth
         )
@@ -276,6 +279,8 @@ class Engine:
                 self.lockstep.publish(plan)
             if self.before_step is not None:
                 self.before_step(plan)
+            if self.chooser is None and plan.kind == "speculate" and any(s.auto for s in sequences):
+                self.chooser = self._calibrate()
             emitted = self.runner.run(plan, sequences)
         except Exception as exc:  # a failed step fails its requests, not the engine
             log.exception("step %d (%s) failed", plan.index, plan.kind)
