@@ -49,6 +49,15 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _depth(text: str) -> int | str:
+    """``--speculative-depth``: 0-5 or ``auto``."""
+    if text == "auto":
+        return text
+    if text.isdigit() and 0 <= int(text) <= 5:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not 0-5 or 'auto'")
+
+
 def _cli_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The CLI layer of the settings: only what was given on the command line."""
     values: dict[str, Any] = {"policy": {}, "cluster": {}, "speculative": {}, "server": {}}
@@ -212,10 +221,10 @@ def _add_generate(commands: Any) -> None:
     generate.add_argument("--seed", type=int, help="seed for sampling")
     generate.add_argument(
         "--speculative-depth",
-        type=int,
-        choices=range(6),
-        metavar="{0..5}",
-        help="MTP draft depth (0: off; default: config, 3 for MTP models)",
+        type=_depth,
+        metavar="{0..5,auto}",
+        help="MTP draft depth (0: off; auto: chosen per round; default: config, auto for "
+        "MTP models)",
     )
     generate.add_argument(
         "--stop", action="append", metavar="TEXT", help="stop before this text (repeatable)"
@@ -242,10 +251,10 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument("--port", type=int, help="TCP port (default: 8000; 0: any free port)")
     serve.add_argument(
         "--speculative-depth",
-        type=int,
-        choices=range(6),
-        metavar="{0..5}",
-        help="MTP draft depth (0: off; default: config, 3 for MTP models)",
+        type=_depth,
+        metavar="{0..5,auto}",
+        help="MTP draft depth (0: off; auto: chosen per round; default: config, auto for "
+        "MTP models)",
     )
     serve.set_defaults(handler=_cmd_serve)
 

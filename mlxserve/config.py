@@ -128,13 +128,24 @@ class EngineSettings(_Section):
 
 
 class SpeculativeSettings(_Section):
-    depth: int | None = Field(
+    depth: int | Literal["auto"] | None = Field(
         None,
-        ge=0,
-        le=5,
-        description="MTP draft depth, 1-5, or 0 for off. Unset: 3 for models with an MTP "
-        "module, 0 otherwise.",
+        description="MTP draft depth, 1-5, 0 for off, or 'auto': chosen per request and "
+        "round from its acceptance and the measured costs. Unset: 'auto' for models with "
+        "an MTP module, 0 otherwise.",
     )
+
+    @field_validator("depth", mode="before")
+    @classmethod
+    def _depth(cls, value: Any) -> Any:
+        """One message for every bad depth (not one per member of the union)."""
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, str) and value.isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 5:
+            return value
+        raise ValueError("must be 0-5 or 'auto'")
 
 
 class ChatSettings(_Section):

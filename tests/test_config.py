@@ -37,6 +37,15 @@ def test_precedence_file_env_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert load_settings(path, {"policy": {"nax_moe": "auto"}}).policy.nax_moe == "auto"
 
 
+def test_speculative_depth_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[speculative]\ndepth = "auto"\n')
+    assert load_settings(path).speculative.depth == "auto"
+    monkeypatch.setenv("MLXSERVE_SPECULATIVE__DEPTH", "2")
+    assert load_settings(path).speculative.depth == 2
+    assert load_settings(path, {"speculative": {"depth": "auto"}}).speculative.depth == "auto"
+
+
 def test_simulated_ranks_as_strings_and_tables(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(
@@ -56,6 +65,8 @@ def test_simulated_ranks_as_strings_and_tables(tmp_path: Path) -> None:
         ('[cluster]\nwires = "two"\n', r"c\.toml: invalid value for 'cluster\.wires'"),
         ("[cluster]\nwires = -1\n", r"c\.toml: invalid value for 'cluster\.wires'"),
         ("[cluster\n", r"c\.toml: not valid TOML"),
+        ('[speculative]\ndepth = "fast"\n', r"c\.toml: invalid value for 'speculative\.depth'"),
+        ("[speculative]\ndepth = 6\n", r"c\.toml: invalid value for 'speculative\.depth'"),
     ],
 )
 def test_bad_config_files(tmp_path: Path, text: str, message: str) -> None:

@@ -25,7 +25,7 @@ from mlx.nn.layers.base import Module
 
 from mlxserve.engine.acceptance import greedy_accept, rejection_accept
 from mlxserve.engine.adapter import ModelAdapter, ModelState, PlainAdapter, PlainState
-from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream, probabilities, sample
 
@@ -291,13 +291,13 @@ class MTPRowBatch(RowBatch):
         for state, tokens in zip(self.states, emitted, strict=True):
             rejected = depth - (len(tokens) - 1)
             for cache in state.cache:
-                cache.trim(rejected)
+                trim_exactly(cache, rejected)
             # Block 0's first entry (h_{n-1}, x_n) is exact; the other draft entries
             # were guesses.
             for block, count in enumerate(used):
                 guessed = count - 1 if block == 0 else count
                 if guessed:
-                    state.mtp_cache[block].trim(guessed)
+                    trim_exactly(state.mtp_cache[block], guessed)
         # Entries (h_{n+j}, x_{n+j+1}) for j < depth, for every row in one forward (the
         # verified tokens are the accepted drafts up to each row's first rejection);
         # each row then drops the entries past its accepted ones.
@@ -306,7 +306,7 @@ class MTPRowBatch(RowBatch):
             mtp_rows = self.layer_rows([s.mtp_cache[:1] for s in self.states])[0]
             self.model.mtp_forward(main_streams[:, :depth], verify[:, 1:], mtp_rows, 0)
             for state, count in zip(self.states, accepted, strict=True):
-                state.mtp_cache[0].trim(depth - count)
+                trim_exactly(state.mtp_cache[0], depth - count)
         for row, (state, count) in enumerate(zip(self.states, accepted, strict=True)):
             state.carry = main_streams[row : row + 1, count : count + 1]
             state.carry_tokens = []

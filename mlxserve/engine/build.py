@@ -2,7 +2,7 @@
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 
@@ -10,12 +10,12 @@ from mlxserve.config import Settings
 from mlxserve.engine.adapter import ModelAdapter, PlainAdapter
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.grammar import Grammars
-from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.engine.mtp_adapter import MAX_DRAFT_DEPTH, MTPAdapter
 from mlxserve.policy.plan import Plan
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MTP_DEPTH = 3
+DEFAULT_MTP_DEPTH: Literal["auto"] = "auto"
 
 
 @dataclass
@@ -23,11 +23,11 @@ class LoadedModel:
     model: Any
     tokenizer: Any
     adapter: ModelAdapter
-    speculative_depth: int
+    speculative_depth: int | Literal["auto"]
 
 
-def speculative_depth(settings: Settings, model: Any) -> int:
-    """The configured depth, defaulting to 3 for models with an MTP module and 0 otherwise."""
+def speculative_depth(settings: Settings, model: Any) -> int | Literal["auto"]:
+    """The configured depth, defaulting to "auto" for models with an MTP module, else 0."""
     has_mtp = getattr(model, "num_mtp_blocks", 0) > 0
     depth = settings.speculative.depth
     if depth is None:
@@ -35,9 +35,9 @@ def speculative_depth(settings: Settings, model: Any) -> int:
     return depth if has_mtp else 0
 
 
-def adapter_for(model: Any, depth: int) -> ModelAdapter:
+def adapter_for(model: Any, depth: int | Literal["auto"]) -> ModelAdapter:
     """Without drafting the MTP module would only cost time: serve the main model alone."""
-    return MTPAdapter(model) if depth > 0 else PlainAdapter(model)
+    return MTPAdapter(model) if depth == "auto" or depth > 0 else PlainAdapter(model)
 
 
 def materialize(model: Any) -> None:
@@ -71,7 +71,8 @@ def load_for_serving(settings: Settings, plan: Plan, rank: int, group: Any = Non
     return LoadedModel(model, tokenizer, adapter_for(model, depth), depth)
 
 
-#: How the draft depth follows the batch size: alone, the configured depth; up to
+#: How the draft depth follows the batch size: alone, the configured depth (with
+#: "auto", the one the depth chooser picks per round); up to
 #: SPECULATIVE_BATCH requests draft together at SPECULATIVE_BATCH_DEPTH; larger
 #: batches decode plainly. Measured on the demo (2 CPU cores, greedy): drafting
 #: together gave 1.6x a plain batch at 2 requests, par at 4 and less at 8.
@@ -83,6 +84,9 @@ def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> Engine
     args = getattr(loaded.model, "args", None)
     experts = int(getattr(args, "n_routed_experts", 0) or 0)
     top_k = int(getattr(args, "num_experts_per_tok", 0) or 0)
+    depth = loaded.speculative_depth
+    # An automatic depth chooses a lone request's rounds; a batch drafts at its fixed depth.
+    batch_depth = min(SPECULATIVE_BATCH_DEPTH, MAX_DRAFT_DEPTH if depth == "auto" else depth)
     return EngineConfig(
         max_running=settings.engine.max_running,
         prefill_step=plan.prefill_step_size(settings.engine.prefill_step, experts, top_k),
@@ -90,7 +94,7 @@ def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> Engine
         prefix_cache_entries=settings.engine.prefix_cache_entries,
         prefix_cache_bytes=settings.engine.prefix_cache_mb << 20,
         max_speculative_batch=SPECULATIVE_BATCH,
-        batch_speculative_depth=min(loaded.speculative_depth, SPECULATIVE_BATCH_DEPTH),
+        batch_speculative_depth=batch_depth,
     )
 
 

@@ -16,12 +16,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxserve.engine.adapter import ModelAdapter
+from mlxserve.engine.depth import DepthChooser
 from mlxserve.engine.grammar import Grammars
 from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.prefix_cache import PrefixCache
@@ -47,6 +48,9 @@ log = logging.getLogger(__name__)
 
 StepHook = Callable[[StepPlan], None]
 
+#: The depth of a seeded, sampled request when the engine's depth is automatic.
+SEEDED_DEPTH = 2
+
 
 @dataclass(frozen=True)
 class _Submit:
@@ -66,7 +70,8 @@ _Message = _Submit | _Cancel | None
 class EngineConfig:
     max_running: int = 8
     prefill_step: int = 512
-    speculative_depth: int = 0
+    # 0: off; 1-5: drafts per round; "auto": chosen per round (`mlxserve.engine.depth`)
+    speculative_depth: int | Literal["auto"] = 0
     prefix_cache_entries: int = 16
     prefix_cache_bytes: int = 1 << 30
     # Batched speculation: up to this many requests draft together, at this depth.
@@ -118,7 +123,12 @@ class Engine:
         self.lockstep = lockstep
         self._weights_bytes = _weights_bytes(adapter)
         self.config = config
-        self.depth = min(config.speculative_depth, adapter.max_draft_depth)
+        auto = config.speculative_depth == "auto"
+        wanted = adapter.max_draft_depth if auto else int(config.speculative_depth)
+        self.depth = min(wanted, adapter.max_draft_depth)
+        # Automatic depth: per request and round, from acceptance and measured costs.
+        self.auto = auto and self.depth > 0
+        self.chooser: DepthChooser | None = None
         cache = None
         if config.prefix_cache_entries > 0:
             cache = PrefixCache(adapter, config.prefix_cache_entries, config.prefix_cache_bytes)
@@ -130,6 +140,7 @@ class Engine:
             on_admit=self.runner.attach_state,
             max_speculative_batch=config.max_speculative_batch,
             batch_speculative_depth=config.batch_speculative_depth,
+            depth_for=self._depth_for,
         )
         self.before_step = before_step
         self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
@@ -238,11 +249,16 @@ class Engine:
             error = f"request id {request.request_id!r} is already in flight"
             stream.put(FinishEvent(request.request_id, "error", usage, None, error))
             return False
+        auto = self.auto and request.speculative_depth is None
         depth = self.depth if request.speculative_depth is None else request.speculative_depth
+        if auto and request.sampling.seed is not None and not request.sampling.greedy:
+            # The chosen depths follow timings, and the samples follow the depths: a
+            # seed reproduces its completion only at a fixed depth.
+            auto, depth = False, SEEDED_DEPTH
         depth = max(0, min(depth, self.adapter.max_draft_depth))
         chooser = None
         if request.own_steps:
-            depth = 0  # see `mlxserve.engine.logits`
+            auto, depth = False, 0  # see `mlxserve.engine.logits`
             try:
                 chooser = self._chooser(request)
             except ValueError as exc:
@@ -253,10 +269,11 @@ class Engine:
             request=request,
             keys=KeyStream(request.sampling.seed),
             depth=depth,
+            auto=auto,
             chooser=chooser,
             rollback=self.depth,
         )
-        sequence.stats.depth = depth
+        sequence.stats.depth = "auto" if auto else depth
         self._streams[request.request_id] = stream
         self.scheduler.add(sequence)
         return True
@@ -269,6 +286,35 @@ class Engine:
             grammar = self.grammars.compile(request.grammar)
         return TokenChooser(request.sampling, grammar, request.grammar_prefix)
 
+    def _calibrate(self) -> DepthChooser:
+        """Time the round's parts once, inside the first speculative step of a request
+        with an automatic depth: under tensor parallelism every rank runs that step, so
+        the calibration's forwards (and their collectives) line up on all ranks."""
+        measure = getattr(self.adapter, "measure_costs", None)
+        assert measure is not None, "an automatic depth needs an adapter with measure_costs"
+        costs = measure()
+        log.info(
+            "speculative round costs (ms): plain %.2f, draft %.2f, verify %s",
+            costs.plain * 1e3,
+            costs.draft * 1e3,
+            {k: round(v * 1e3, 2) for k, v in costs.verify.items()},
+        )
+        chooser = DepthChooser(max_depth=self.depth, calibrated=costs)
+        self.runner.chooser = chooser
+        return chooser
+
+    def _depth_for(self, sequence: Sequence) -> int:
+        """Drafts for the sequence's next round: its fixed depth, or the chooser's pick
+        (before the first calibration, `SEEDED_DEPTH`)."""
+        if not sequence.auto:
+            return sequence.depth
+        if self.chooser is None:
+            return min(SEEDED_DEPTH, sequence.depth)
+        depth, sequence.chosen_depth = self.chooser.pick(
+            sequence.stats, sequence.plain_streak, sequence.chosen_depth
+        )
+        return min(depth, sequence.depth)
+
     def _run(self, plan: StepPlan) -> None:
         sequences = [s for rid in plan.request_ids if (s := self.scheduler.find(rid))]
         self.current_step = plan
@@ -280,6 +326,8 @@ class Engine:
                 self.lockstep.publish(plan)
             if self.before_step is not None:
                 self.before_step(plan)
+            if self.chooser is None and plan.kind == "speculate" and any(s.auto for s in sequences):
+                self.chooser = self._calibrate()
             emitted = self.runner.run(plan, sequences)
         except Exception as exc:  # a failed step fails its requests, not the engine
             log.exception("step %d (%s) failed", plan.index, plan.kind)

@@ -23,15 +23,16 @@ a few rows wide) and one sync.
 """
 
 import copy
-import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from mlxserve.engine.acceptance import greedy_accept, rejection_decision
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream, probabilities, sample, token_id
+
+if TYPE_CHECKING:
+    from mlxserve.engine.round_costs import RoundCosts
 
 MAX_DRAFT_DEPTH = 5
 
@@ -51,22 +52,7 @@ class MTPState:
         return int(self.cache[0].offset)
 
 
-@dataclass
-class RoundCosts:
-    """Seconds of one decode step and of the pieces of a speculative round."""
-
-    plain: float
-    verify: dict[int, float] = field(default_factory=dict)  # k -> forward of k + 1 tokens
-    draft: float = 0.0
-
-    def round(self, depth: int) -> float:
-        """Expected seconds of a round at ``depth`` (0: one plain step)."""
-        if depth <= 0:
-            return self.plain
-        return self.verify.get(depth, self.plain) + depth * self.draft
-
-
-def _trim(cache: Any, n: int) -> None:
+def trim_exactly(cache: Any, n: int) -> None:
     if n and cache.trim(n) != n:
         raise RuntimeError(f"cache trimmed fewer than the {n} positions asked")
 
@@ -186,67 +172,11 @@ class MTPAdapter:
         state.carry_tokens = [mx.array(emitted[:accepted])] if accepted else []
         return emitted, depth, accepted
 
-    def measure_costs(self, repeats: int = 8, context: int = 32) -> RoundCosts:
-        """Seconds of a plain step, of verify(k) for every k and of one draft forward, on
-        a throw-away state of `context` tokens, each timed as the engine runs it: plain
-        steps pipelined (the next queued before the last is read), a verify forward
-        with the round's sync, a draft as one link of a synced chain of drafts."""
-        depth = self.max_draft_depth
-        state = self.new_state(max_rollback=max(repeats, depth) + 1)
-        self.prefill(state, [(7 * i + 3) % 50 for i in range(context)])
-        token = mx.array([1], mx.int32)
-        self.step(state, token)
-        mx.eval(state.carry, [c.state for c in state.cache])
+    def measure_costs(self) -> "RoundCosts":
+        """The costs the automatic depth starts from (`round_costs.measure_round_costs`)."""
+        from mlxserve.engine.round_costs import measure_round_costs
 
-        def median(run: Any, trials: int) -> float:
-            run()  # warm-up: kernels compiled, buffers allocated
-            times = sorted(run() for _ in range(trials))
-            return float(times[len(times) // 2])
-
-        def plain() -> float:
-            start = time.perf_counter()
-            current = token
-            for _ in range(repeats):
-                current = mx.argmax(self.step(state, current)).reshape(1)
-                mx.async_eval(current)  # type: ignore[no-untyped-call]
-            mx.eval(current, [c.state for c in state.cache])
-            elapsed = time.perf_counter() - start
-            _trim_state(state, repeats)
-            return elapsed / repeats
-
-        costs = RoundCosts(plain=median(plain, 3))
-        for k in range(1, depth + 1):
-
-            def verify(k: int = k) -> float:
-                start = time.perf_counter()
-                streams = self.model.forward_hidden(mx.ones((1, k + 1), mx.int32), state.cache)
-                logits = self.model.head_from_streams(streams)
-                mx.eval(mx.argmax(logits, axis=-1), streams, [c.state for c in state.cache])
-                elapsed = time.perf_counter() - start
-                for cache in state.cache:
-                    _trim(cache, k + 1)
-                return elapsed
-
-            costs.verify[k] = median(verify, repeats)
-        if self.model.num_mtp_blocks and depth:
-            carry = state.carry
-            assert carry is not None
-
-            def draft() -> float:
-                start = time.perf_counter()
-                streams, current = carry[:, -1:], token[None]
-                for _ in range(depth):
-                    logits, streams = self.model.mtp_forward(
-                        streams, current, state.mtp_cache[0], 0
-                    )
-                    current = mx.argmax(logits[:, -1:], axis=-1)
-                mx.eval(current, state.mtp_cache[0].state)
-                elapsed = time.perf_counter() - start
-                _trim(state.mtp_cache[0], depth)
-                return elapsed / depth
-
-            costs.draft = median(draft, 3)
-        return costs
+        return measure_round_costs(self)
 
     def snapshot(self, state: Any) -> MTPState:
         assert isinstance(state, MTPState)
@@ -260,16 +190,16 @@ class MTPAdapter:
 def _rollback(state: MTPState, depth: int, accepted: int, carried: int, used: list[int]) -> None:
     """Trim what the round guessed wrong: slices only, nothing is copied or computed."""
     for cache in state.cache:
-        _trim(cache, depth - accepted)
+        trim_exactly(cache, depth - accepted)
     # Block 0's first `carried` rows are exact (the carry); every other draft row was a guess.
     for block, rows in enumerate(used):
-        _trim(state.mtp_cache[block], rows - carried if block == 0 else rows)
+        trim_exactly(state.mtp_cache[block], rows - carried if block == 0 else rows)
 
 
-def _trim_state(state: MTPState, n: int) -> None:
-    """Undo the last `n` plain steps (calibration only)."""
+def trim_steps(state: MTPState, n: int) -> None:
+    """Undo the last `n` plain steps (for calibration)."""
     for cache in state.cache:
-        _trim(cache, n)
+        trim_exactly(cache, n)
     assert state.carry is not None
     state.carry = state.carry[:, :-n]
     state.carry_tokens = state.carry_tokens[:-n]

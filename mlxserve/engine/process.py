@@ -188,11 +188,11 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     watch_parent(signals.stop.set)
     listener, inode = listen(prepare_socket_path(socket_path))
     log.info(
-        "serving %s on %s (context %d, speculative depth %d)",
+        "serving %s on %s (context %d, speculative depth %s)",
         settings.model,
         socket_path,
         info.context_length,
-        engine.depth,
+        "auto" if engine.auto else engine.depth,
     )
     try:
         serve(listener, desk, signals.stop)

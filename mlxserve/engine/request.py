@@ -95,24 +95,33 @@ class GenerationRequest:
 
 @dataclass
 class SpeculativeStats:
-    """Per request: drafts proposed and accepted, in total and per draft depth."""
+    """Per request: drafts proposed and accepted, in total and per draft position, and
+    how many steps ran at each depth (0: a plain step, when the depth is automatic)."""
 
-    depth: int = 0
+    depth: int | str = 0
     drafted: int = 0
     accepted: int = 0
     drafted_at_depth: list[int] = field(default_factory=list)
     accepted_at_depth: list[int] = field(default_factory=list)
+    # rounds in which position j was drafted and every draft before it was kept
+    reached_at_depth: list[int] = field(default_factory=list)
+    steps_at_depth: dict[int, int] = field(default_factory=dict)
 
     def record(self, drafted: int, accepted: int) -> None:
         """One draft round: `drafted` tokens proposed, the first `accepted` of them kept."""
         need = max(drafted, len(self.drafted_at_depth))
-        self.drafted_at_depth += [0] * (need - len(self.drafted_at_depth))
-        self.accepted_at_depth += [0] * (need - len(self.accepted_at_depth))
+        for counts in (self.drafted_at_depth, self.accepted_at_depth, self.reached_at_depth):
+            counts += [0] * (need - len(counts))
         for depth in range(drafted):
             self.drafted_at_depth[depth] += 1
             self.accepted_at_depth[depth] += int(depth < accepted)
+            self.reached_at_depth[depth] += int(depth <= accepted)
         self.drafted += drafted
         self.accepted += accepted
+        self.count_step(drafted)
+
+    def count_step(self, depth: int) -> None:
+        self.steps_at_depth[depth] = self.steps_at_depth.get(depth, 0) + 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -129,6 +138,7 @@ class SpeculativeStats:
             "accepted": self.accepted,
             "acceptance_rate": self.acceptance_rate,
             "acceptance_rate_per_depth": rates,
+            "depths_chosen": {str(k): n for k, n in sorted(self.steps_at_depth.items())},
         }
 
 

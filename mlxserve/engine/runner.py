@@ -10,12 +10,14 @@ copy of the batch. Speculative steps are delegated to the adapter.
 """
 
 import logging
+import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from mlxserve.engine.adapter import ModelAdapter, ModelState
 from mlxserve.engine.batch import DecodeBatch, can_join, new_batch
+from mlxserve.engine.depth import DepthChooser
 from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.prefix_cache import PrefixCache
 from mlxserve.engine.sampling import sample, token_id
@@ -44,6 +46,8 @@ class Runner:
         self.prefix_cache = prefix_cache
         self.batches: list[_Batch] = []
         self._batch_of: dict[str, _Batch] = {}
+        # Set by the engine when a request chooses its depth per round.
+        self.chooser: DepthChooser | None = None
 
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
@@ -338,26 +342,59 @@ class Runner:
             emitted[sequence.request_id] = [*head[sequence.request_id], int(value)]  # type: ignore[arg-type]
 
     def _speculate(self, sequence: Sequence, depth: int) -> list[int]:
+        """A round at `depth` drafts; with an automatic depth, 0 is a pipelined plain step.
+
+        Plain steps leave the next token pending (sampled, not yet read); a round
+        that follows them reads it first and drafts after it. A request that was in a
+        decode batch leaves it here (alone again), with its next token pending.
+        """
         batch = self._batch_of.get(sequence.request_id)
-        if batch is not None:  # alone again: it leaves its batch
+        from_batch = batch is not None
+        if batch is not None:
             self._remove(batch, [batch.rows.index(sequence)], finished=False)
-        assert sequence.state is not None and (sequence.generated or sequence.pending)
-        emitted: list[int] = []
-        if sequence.pending is not None:
-            # From a batch: its sampled token is emitted now and drafted from.
-            emitted.append(token_id(sequence.pending))
-            sequence.pending = None
-        last = emitted[-1] if emitted else sequence.generated[-1]
-        depth = min(depth, sequence.budget - 1 - len(emitted))
+        assert sequence.state is not None and (sequence.generated or sequence.pending is not None)
         drafter = getattr(self.adapter, "speculate", None)
         if depth <= 0 or drafter is None:
-            if sequence.budget - len(emitted) <= 0:
-                return emitted
+            started = time.perf_counter()
+            if sequence.pending is None:
+                logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
+                sequence.pending = sample(logits, sequence.request.sampling, sequence.keys.next())
+                mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+                clean = False
+            else:
+                clean = not from_batch
+            tokens = self._decode(sequence)
+            sequence.stats.count_step(0)
+            sequence.plain_streak += 1
+            if clean and sequence.pending is not None:
+                self._observe(0, time.perf_counter() - started)
+            return tokens
+        first: list[int] = []
+        if sequence.pending is not None:
+            first = [token_id(sequence.pending)]
+            sequence.pending = None
+        last = first[-1] if first else sequence.generated[-1]
+        depth = min(depth, sequence.budget - len(first) - 1)
+        if depth <= 0:
+            if sequence.budget - len(first) <= 0:
+                return first
             logits = self.adapter.step(sequence.state, mx.array([last]))
             token = sample(logits, sequence.request.sampling, sequence.keys.next())
-            return [*emitted, token_id(token)]
+            return [*first, token_id(token)]
+        started = time.perf_counter()
         tokens, drafted, accepted = drafter(
             sequence.state, last, depth, sequence.request.sampling, sequence.keys
         )
+        if not first:
+            # After plain steps the first draft also folds their MTP entries in: a
+            # dearer round than the steady ones, so it is not timed.
+            self._observe(depth, time.perf_counter() - started)
         sequence.stats.record(drafted, accepted)
-        return [*emitted, *tokens]
+        sequence.plain_streak = 0
+        if self.chooser is not None:
+            self.chooser.record(drafted, accepted)
+        return [*first, *tokens]
+
+    def _observe(self, depth: int, seconds: float) -> None:
+        if self.chooser is not None:
+            self.chooser.observe(depth, seconds)

@@ -7,7 +7,8 @@ their streams keep flowing while a new request prefills.
 
 Decoding requests share one decode step: continuous batching (the runner keeps
 the batch across steps). The speculative depth follows the batch size: a
-speculative request alone drafts at its own depth; a small batch of speculative
+speculative request alone drafts at its own depth (an automatic one: the depth
+the engine's `depth_for` picks for the round); a small batch of speculative
 requests (up to `max_speculative_batch`) drafts together at
 `batch_speculative_depth`, one `speculate` step for all; a larger batch takes
 plain decode steps, since there the batch already fills the forward, and drafts
@@ -29,6 +30,7 @@ class Scheduler:
         on_admit: Callable[[Sequence], None] | None = None,
         max_speculative_batch: int = 0,
         batch_speculative_depth: int = 0,
+        depth_for: Callable[[Sequence], int] | None = None,
     ) -> None:
         if max_running < 1 or prefill_step < 1:
             raise ValueError("max_running and prefill_step must be >= 1")
@@ -40,6 +42,8 @@ class Scheduler:
         # this depth (0: a batch decodes plainly).
         self.max_speculative_batch = max_speculative_batch
         self.batch_speculative_depth = batch_speculative_depth
+        # The drafts of a speculative request's next round (default: its fixed depth).
+        self.depth_for = depth_for or (lambda sequence: sequence.depth)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._steps = 0
@@ -95,7 +99,7 @@ class Scheduler:
         if ids is plain:
             return self._plan("decode", ids, 1)
         sequence = next(s for s in decoding if s.request_id == ids[0])
-        return self._plan("speculate", ids, sequence.depth)
+        return self._plan("speculate", ids, self.depth_for(sequence))
 
     def _speculate_together(self, decoding: list[Sequence]) -> bool:
         """Batched speculation: every decoding request drafts, and the batch is small."""

@@ -41,6 +41,12 @@ class Sequence:
     #: Positions its caches can roll back: the engine's depth even when this one does not
     #: draft, since its final state goes to the prefix cache for requests that do.
     rollback: int = 0
+    # The depth is chosen per round (`mlxserve.engine.depth`); `depth` is its ceiling.
+    auto: bool = False
+    # plain steps since the last speculative round (an automatic depth probes again)
+    plain_streak: int = 0
+    # the automatic depth in use (None: none chosen yet)
+    chosen_depth: int | None = None
 
     @property
     def request_id(self) -> str:

@@ -19,6 +19,13 @@ class StepPlan:
     # prefill: prompt tokens in this chunk; decode: 1; speculate: drafts to verify
     num_tokens: int
 
+    def same_step(self, other: "StepPlan") -> bool:
+        """The same step, but for the number of drafts of a speculative one (an
+        automatic depth is chosen from one rank's timings; the others take it)."""
+        if self.kind == other.kind == "speculate":
+            return (self.index, self.request_ids) == (other.index, other.request_ids)
+        return self == other
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 

@@ -229,8 +229,11 @@ class Generations:
         if finish is not None and finish.memory:
             self.metrics.record_memory(finish.memory)
         if speculative:
+            chosen = speculative.get("depths_chosen")
             self.metrics.record_speculative(
-                int(speculative.get("drafted", 0)), int(speculative.get("accepted", 0))
+                int(speculative.get("drafted", 0)),
+                int(speculative.get("accepted", 0)),
+                {str(k): int(v) for k, v in chosen.items()} if isinstance(chosen, dict) else None,
             )
         return Delta(
             tail,

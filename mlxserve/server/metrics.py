@@ -68,6 +68,13 @@ class Metrics:
         self.accepted = Counter(
             "mlxserve_speculative_accepted_tokens", "MTP draft tokens accepted", registry=r
         )
+        self.depth_steps = Counter(
+            "mlxserve_speculative_depth_steps",
+            "Decode steps of speculative requests, by the depth each ran at (0: plain "
+            "step; with an automatic depth, the depths it chose)",
+            ["depth"],
+            registry=r,
+        )
         self.acceptance_rate = Gauge(
             "mlxserve_speculative_acceptance_rate",
             "Accepted / drafted MTP tokens since start",
@@ -130,7 +137,11 @@ class Metrics:
             if key in MEMORY_KINDS:
                 self.engine_memory.labels(key).set(value)
 
-    def record_speculative(self, drafted: int, accepted: int) -> None:
+    def record_speculative(
+        self, drafted: int, accepted: int, depths: dict[str, int] | None = None
+    ) -> None:
+        for depth, steps in (depths or {}).items():
+            self.depth_steps.labels(depth=depth).inc(steps)
         if drafted <= 0:
             return
         self._drafted += drafted

@@ -38,13 +38,21 @@ def plain() -> dict[str, object]:
 
 def test_greedy_text_is_identical_at_every_depth(plain: dict[str, object]) -> None:
     assert plain["speculative"] == {"depth": 0, "drafted": 0, "accepted": 0, "acceptance_rate": 0.0}
-    for depth in ("1", "5"):
+    for depth in ("1", "5", "auto"):
         spec = generate_json("--prompt", PROMPT, "--max-tokens", "48", "--speculative-depth", depth)
         assert spec["token_ids"] == plain["token_ids"]
         assert spec["text"] == plain["text"]
         stats = spec["speculative"]
         assert isinstance(stats, dict)
+        chosen = stats["depths_chosen"]
+        assert isinstance(chosen, dict) and sum(chosen.values()) > 0
+        if depth == "auto":
+            # The depths it chose, each a round (or, as "0", a plain step).
+            assert stats["depth"] == "auto"
+            assert set(chosen) <= {str(k) for k in range(6)}
+            continue
         assert stats["depth"] == int(depth) and stats["drafted"] > 0
+        assert sum(int(k) * n for k, n in chosen.items()) == stats["drafted"]
         assert stats["accepted"] > 0  # the trained MTP head does get drafts accepted
         assert len(stats["acceptance_rate_per_depth"]) == int(depth)
 
@@ -86,7 +94,7 @@ def test_plain_text_output() -> None:
         (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
         (["--prompt", "x", "--model", "/no/such/model"], "no such model directory"),
         (["--prompt", "x", "--config", "/no/such.toml"], "config file not found"),
-        (["--prompt", "x", "--speculative-depth", "9"], "invalid choice"),
+        (["--prompt", "x", "--speculative-depth", "9"], "'9' is not 0-5 or 'auto'"),
     ],
 )
 def test_bad_input_is_one_line(args: list[str], message: str) -> None:

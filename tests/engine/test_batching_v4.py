@@ -7,7 +7,7 @@ request run alone, with and without the MTP module (whose requests decode in the
 batch and speculate again when alone).
 """
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from mlx.nn.layers.base import Module
@@ -43,7 +43,7 @@ def alone(v4: Module) -> dict[str, list[int]]:
 
 
 def staggered(
-    adapter: ModelAdapter, depth: int, **config: Any
+    adapter: ModelAdapter, depth: int | Literal["auto"], **config: Any
 ) -> tuple[dict[str, list[int]], list[Any]]:
     """Two requests start, two join mid-generation, they leave at different steps."""
     sizes: list[tuple[StepPlan, list[int]]] = []
@@ -97,6 +97,22 @@ def test_rows_speculate_together(v4: Module, alone: dict[str, list[int]], batch_
     assert tokens == alone
     together = [p for p, _ in sizes if p.kind == "speculate" and len(p.request_ids) >= 3]
     assert together and all(p.num_tokens == batch_depth for p in together)
+
+
+def test_automatic_depth_alone_and_batched_speculation(
+    v4: Module, alone: dict[str, list[int]]
+) -> None:
+    """With `depth = "auto"` a lone request drafts at the chooser's depth per round,
+    two rows draft together at the batch depth, more decode plainly; all exact."""
+    tokens, sizes = staggered(
+        MTPAdapter(v4), depth="auto", max_speculative_batch=2, batch_speculative_depth=2
+    )
+    assert tokens == alone
+    speculate = [p for p, _ in sizes if p.kind == "speculate"]
+    assert any(len(p.request_ids) == 1 for p in speculate)
+    pairs = [p for p in speculate if len(p.request_ids) == 2]
+    assert pairs and all(p.num_tokens <= 2 for p in pairs)
+    assert not any(len(p.request_ids) > 2 for p in speculate)
 
 
 def test_batch_forms(v4: Module) -> None:

@@ -46,6 +46,27 @@ def test_greedy_speculation_equals_plain_decoding(v4: Module, depth: int) -> Non
         assert isinstance(per_depth, list) and len(per_depth) == depth
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_automatic_depth_keeps_the_output(v4: Module, temperature: float) -> None:
+    """Rounds at the depths it chooses, plain steps in between: greedy output equals
+    plain decoding. A seeded sample runs at a fixed depth, so the seed reproduces it."""
+    engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
+    assert engine.auto and engine.depth == 5
+    sampling = SamplingParams(temperature=temperature, seed=3)
+    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 40, sampling))["a"]
+    assert finish.speculative is not None
+    chosen = finish.speculative["depths_chosen"]
+    assert isinstance(chosen, dict) and sum(chosen.values()) > 0
+    if temperature == 0:
+        assert finish.speculative["depth"] == "auto"
+        assert tokens == plain_greedy(v4, PROMPT, 40)
+    else:
+        # A seed reproduces its completion only at a fixed depth: it gets one.
+        assert finish.speculative["depth"] == 2 and "2" in chosen  # the last may be cut
+        again, _ = run(engine, GenerationRequest("b", PROMPT, 40, sampling))["b"]
+        assert len(tokens) == 40 and again == tokens
+
+
 def test_prefix_cache_hit_keeps_speculation_exact(v4: Module) -> None:
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth=3))
     first, _ = run(engine, GenerationRequest("a", PROMPT, 20))["a"]

@@ -33,7 +33,7 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
     ("args", "message"),
     [
         (["--port", "abc"], "invalid int value: 'abc'"),
-        (["serve", "--speculative-depth", "9"], "invalid choice"),
+        (["serve", "--speculative-depth", "9"], "'9' is not 0-5 or 'auto'"),
         (["--config", "missing.toml"], "missing.toml: config file not found"),
         (["--policy", "foo=bar"], "policy.overrides: unknown decision"),
         (["--policy", "nax_moe@1=full"], "rank 1 does not exist (world size 1)"),

@@ -1,0 +1,156 @@
+"""The automatic speculative depth: per request, the depth with the most tokens per second.
+
+A round at depth k emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on
+average, where a_j is the chance that draft j is kept once drafts 1 .. j-1 were (the
+request's running acceptance per draft position), and costs round(k) seconds (the
+engine's measured costs: one verify forward of k + 1 tokens plus k draft forwards;
+round(0) is a plain step). `choose_depth` picks the k maximising E(k) / round(k), 0
+when no depth beats plain decoding.
+
+Estimates start from a prior (what earlier requests on this engine accepted, or a
+neutral guess) and move to the request's own counts; a request decoding plainly
+probes depth 1 now and then, so an acceptance that rises is noticed, and one
+that speculates drafts one deeper now and then, so the next depth is measured. Round costs
+start from a calibration (`round_costs.measure_round_costs`) and follow the round times
+the engine observes.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from mlxserve.engine.request import SpeculativeStats
+from mlxserve.engine.round_costs import RoundCosts
+
+#: Acceptance assumed for a draft position nothing is known about yet.
+NEUTRAL_ACCEPTANCE = 0.6
+#: Weight of the prior, in rounds, against the request's own counts.
+PRIOR_ROUNDS = 4.0
+#: A request decoding plainly tries depth 1 after this many plain steps.
+PROBE_EVERY = 32
+#: Every this many rounds, a request drafts one deeper than its choice: the depth
+#: beyond gets acceptance counts and measured round times instead of guesses.
+EXPLORE_EVERY = 8
+#: How much better (relative rate) another depth must look to replace the current.
+SWITCH_MARGIN = 0.05
+#: Weight of a new observation in the running round times.
+SMOOTHING = 0.2
+
+
+def expected_tokens(acceptance: Sequence[float], depth: int) -> float:
+    """E(depth): tokens one round emits, given conditional acceptance per position."""
+    total, kept = 1.0, 1.0
+    for rate in acceptance[:depth]:
+        kept *= rate
+        total += kept
+    return total
+
+
+def choose_depth(
+    acceptance: Sequence[float],
+    costs: RoundCosts,
+    batch_size: int = 1,
+    max_depth: int = 5,
+    current: int | None = None,
+) -> int:
+    """The depth with the most expected tokens per second for one request.
+
+    ``batch_size``: how many requests a plain decode step serves at once. A batched
+    step costs about one step for all of them (decoding is bound by launches and
+    weight reads), while a round verifies one request: plain decoding's rate per step
+    grows with the batch, so a large batch turns speculation off.
+
+    ``current``: the depth in use; another must beat it by ``SWITCH_MARGIN``, so
+    timing noise does not flip the choice back and forth.
+    """
+    rates = {0: max(batch_size, 1) / costs.round(0)}
+    for depth in range(1, min(max_depth, len(acceptance)) + 1):
+        rates[depth] = expected_tokens(acceptance, depth) / costs.round(depth)
+    best = max(rates, key=lambda depth: rates[depth])
+    if current in rates and rates[best] < rates[current] * (1 + SWITCH_MARGIN):
+        return current
+    return best
+
+
+def conditional_acceptance(
+    stats: SpeculativeStats, prior: Sequence[float], max_depth: int
+) -> list[float]:
+    """a_1 .. a_max_depth: the request's counts, shrunk towards ``prior``."""
+    rates: list[float] = []
+    for position in range(max_depth):
+        reached = stats.reached_at_depth[position] if position < len(stats.reached_at_depth) else 0
+        kept = stats.accepted_at_depth[position] if position < len(stats.accepted_at_depth) else 0
+        base = prior[position] if position < len(prior) else (rates[-1] if rates else 0.0)
+        rates.append((kept + PRIOR_ROUNDS * base) / (reached + PRIOR_ROUNDS))
+    return rates
+
+
+@dataclass
+class DepthChooser:
+    """The engine's side: measured costs, the acceptance of past requests, the choice."""
+
+    max_depth: int
+    calibrated: RoundCosts
+    observed: dict[int, float] = field(default_factory=dict)
+    history: SpeculativeStats = field(default_factory=SpeculativeStats)
+    seen: set[int] = field(default_factory=set)
+
+    def costs(self) -> RoundCosts:
+        """Calibrated costs, replaced by observed round times where there are some;
+        unobserved depths are scaled like the observed ones (a longer context, a
+        busier machine)."""
+        ratios = [t / self.calibrated.round(k) for k, t in self.observed.items()]
+        scale = sorted(ratios)[len(ratios) // 2] if ratios else 1.0
+        plain = self.observed.get(0, self.calibrated.plain * scale)
+        rounds = {
+            k: self.observed.get(k, self.calibrated.round(k) * scale)
+            for k in range(1, self.max_depth + 1)
+        }
+        # As a RoundCosts whose round(k) is the estimate: verify holds the whole round.
+        return RoundCosts(plain=plain, verify=rounds, draft=0.0)
+
+    def observe(self, depth: int, seconds: float) -> None:
+        """A measured step or round. The first at each depth is dropped (kernels for
+        its shapes compile on first use, on CUDA for hundreds of ms), and one outlier
+        moves the estimate by at most a factor of 2."""
+        if depth not in self.seen:
+            self.seen.add(depth)
+            return
+        old = self.observed.get(depth)
+        if old is None:
+            self.observed[depth] = seconds
+            return
+        seconds = min(max(seconds, old / 2), old * 2)
+        self.observed[depth] = old + SMOOTHING * (seconds - old)
+
+    def prior(self) -> list[float]:
+        """Acceptance per position over the requests this engine has served so far."""
+        rates: list[float] = []
+        for position in range(self.max_depth):
+            previous = rates[-1] if rates else NEUTRAL_ACCEPTANCE
+            reached = self._at(self.history.reached_at_depth, position)
+            kept = self._at(self.history.accepted_at_depth, position)
+            rates.append((kept + PRIOR_ROUNDS * previous) / (reached + PRIOR_ROUNDS))
+        return rates
+
+    def choose(self, stats: SpeculativeStats, plain_streak: int, batch_size: int = 1) -> int:
+        return self.pick(stats, plain_streak, None, batch_size)[0]
+
+    def pick(
+        self, stats: SpeculativeStats, plain_streak: int, current: int | None, batch_size: int = 1
+    ) -> tuple[int, int]:
+        """(depth to run now, depth chosen): they differ on a probe or an exploration."""
+        acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)
+        depth = choose_depth(acceptance, self.costs(), batch_size, self.max_depth, current)
+        if depth == 0:
+            return (1 if plain_streak >= PROBE_EVERY else 0), 0
+        rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
+        if rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            return min(depth + 1, self.max_depth), depth
+        return depth, depth
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.history.record(drafted, accepted)
+
+    @staticmethod
+    def _at(counts: list[int], position: int) -> int:
+        return counts[position] if position < len(counts) else 0

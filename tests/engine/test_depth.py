@@ -1,0 +1,102 @@
+"""The automatic speculative depth: the choice follows acceptance and costs."""
+
+import pytest
+
+from mlxserve.engine.depth import (
+    EXPLORE_EVERY,
+    PROBE_EVERY,
+    DepthChooser,
+    choose_depth,
+    conditional_acceptance,
+    expected_tokens,
+)
+from mlxserve.engine.request import SpeculativeStats
+from mlxserve.engine.round_costs import RoundCosts
+
+# A GPU-like round: verifying k + 1 tokens costs about one step, a draft 1/40 of one.
+CHEAP_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.02 * k for k in range(1, 6)}, draft=0.025)
+# A CPU-like round: verify grows with k, a draft costs a third of a step (3-layer demo).
+DEAR_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.3 * k for k in range(1, 6)}, draft=0.33)
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1.875)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
+
+
+def test_high_acceptance_and_cheap_verify_draft_deep() -> None:
+    assert choose_depth([0.85] * 5, CHEAP_VERIFY) >= 4
+
+
+def test_speculation_that_does_not_pay_picks_zero() -> None:
+    assert choose_depth([0.2] * 5, DEAR_VERIFY) == 0
+    assert choose_depth([0.02] * 5, CHEAP_VERIFY) == 0
+
+
+def test_dear_verify_drafts_shallow() -> None:
+    assert choose_depth([0.7, 0.6, 0.5, 0.4, 0.3], DEAR_VERIFY) == 1
+
+
+def test_a_close_call_keeps_the_current_depth() -> None:
+    acceptance = [0.7, 0.6, 0.5, 0.4, 0.3]
+    best = choose_depth(acceptance, CHEAP_VERIFY)
+    rates = {k: expected_tokens(acceptance, k) / CHEAP_VERIFY.round(k) for k in range(6)}
+    close = [k for k in range(6) if k != best and rates[k] * 1.05 > rates[best]]
+    assert close  # a depth within the margin of the best
+    assert choose_depth(acceptance, CHEAP_VERIFY, current=close[0]) == close[0]
+    assert choose_depth(acceptance, CHEAP_VERIFY, current=0) == best  # far from it
+
+
+def test_a_large_batch_turns_speculation_off() -> None:
+    assert choose_depth([0.85] * 5, CHEAP_VERIFY, batch_size=1) > 0
+    assert choose_depth([0.85] * 5, CHEAP_VERIFY, batch_size=8) == 0
+
+
+def test_conditional_acceptance_moves_from_the_prior_to_the_counts() -> None:
+    stats = SpeculativeStats()
+    assert conditional_acceptance(stats, [0.6] * 3, 3) == pytest.approx([0.6] * 3)
+    for _ in range(200):
+        stats.record(2, 1)  # the first draft always kept, the second never
+    first, second, third = conditional_acceptance(stats, [0.6] * 3, 3)
+    assert first > 0.97 and second < 0.03
+    assert third == pytest.approx(0.6)  # never drafted: the prior
+
+
+def test_chooser_follows_observed_costs_and_probes() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
+    good = SpeculativeStats()
+    for _ in range(50):
+        good.record(3, 3)
+    assert chooser.choose(good, plain_streak=0) >= 3
+    bad = SpeculativeStats()
+    for _ in range(50):
+        bad.record(1, 0)
+    assert chooser.choose(bad, plain_streak=0) == 0
+    assert chooser.choose(bad, plain_streak=PROBE_EVERY) == 1
+    # Rounds observed to be far dearer than plain steps: plain decoding wins. The
+    # first time at each depth is dropped (it includes compiling kernels).
+    for _ in range(2):
+        chooser.observe(0, 1.0)
+        for depth in range(1, 6):
+            chooser.observe(depth, 50.0)
+    assert chooser.choose(good, plain_streak=0) == 0
+
+
+def test_every_eighth_round_drafts_one_deeper() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    stats = SpeculativeStats()
+    for kept in (1, 1, 0, 1, 1, 0):
+        stats.record(1, kept)
+    assert chooser.choose(stats, plain_streak=0) == 1
+    stats.record(1, 1)  # the 8th round comes next
+    assert EXPLORE_EVERY == 8 and chooser.choose(stats, plain_streak=0) == 2
+
+
+def test_one_outlier_moves_the_estimate_at_most_twofold() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
+    chooser.observe(2, 99.0)  # first: dropped
+    assert 2 not in chooser.observed
+    chooser.observe(2, 1.0)
+    chooser.observe(2, 1000.0)
+    assert chooser.observed[2] == pytest.approx(1.2)  # 1 + 0.2 * (2 - 1)
