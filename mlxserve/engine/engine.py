@@ -292,7 +292,7 @@ class Engine:
         the calibration's forwards (and their collectives) line up on all ranks."""
         measure = getattr(self.adapter, "measure_costs", None)
         assert measure is not None, "an automatic depth needs an adapter with measure_costs"
-        costs = measure()
+        costs = measure(tick=self._count_progress)
         log.info(
             "speculative round costs (ms): plain %.2f, draft %.2f, verify %s",
             costs.plain * 1e3,
@@ -302,6 +302,10 @@ class Engine:
         chooser = DepthChooser(max_depth=self.depth, calibrated=costs)
         self.runner.chooser = chooser
         return chooser
+
+    def _count_progress(self) -> None:
+        """Work inside a long step (the depth calibration) that watchdogs count as progress."""
+        self.progress += 1
 
     def _depth_for(self, sequence: Sequence) -> int:
         """Drafts for the sequence's next round: its fixed depth, or the chooser's pick

@@ -23,6 +23,7 @@ a few rows wide) and one sync.
 """
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -172,11 +173,12 @@ class MTPAdapter:
         state.carry_tokens = [mx.array(emitted[:accepted])] if accepted else []
         return emitted, depth, accepted
 
-    def measure_costs(self) -> "RoundCosts":
-        """The costs the automatic depth starts from (`round_costs.measure_round_costs`)."""
+    def measure_costs(self, tick: Callable[[], None] = lambda: None) -> "RoundCosts":
+        """The costs the automatic depth starts from (`round_costs.measure_round_costs`);
+        `tick` after every probe."""
         from mlxserve.engine.round_costs import measure_round_costs
 
-        return measure_round_costs(self)
+        return measure_round_costs(self, tick=tick)
 
     def snapshot(self, state: Any) -> MTPState:
         assert isinstance(state, MTPState)

@@ -35,6 +35,7 @@ def measure_round_costs(
     steps: int = 8,
     context: int = 32,
     clock: Callable[[], float] = time.perf_counter,
+    tick: Callable[[], None] = lambda: None,
 ) -> RoundCosts:
     """A plain step, verify(k) for every k and one draft forward, on a throw-away state
     of `context` tokens, each timed as the engine runs it: plain steps pipelined (the
@@ -42,7 +43,9 @@ def measure_round_costs(
     draft as one link of a synced chain. The measurements are interleaved and the
     median of `trials` kept (after one untimed pass: kernels compile on first use),
     so a machine whose speed drifts affects them alike. `clock`: benchmarks on a
-    shared CPU pass `time.process_time`."""
+    shared CPU pass `time.process_time`. `tick` is called after every probe: the
+    engine counts each as progress, so its watchdogs (its own and the front's hang
+    detection) do not take a calibration of a few seconds for a stalled step."""
     model = adapter.model
     depth = adapter.max_draft_depth
     vocab = int(model.args.vocab_size)
@@ -97,6 +100,7 @@ def measure_round_costs(
     for trial in range(trials + 1):
         for name, probe in probes.items():
             seconds = probe()
+            tick()
             if trial:
                 times[name].append(seconds)
     median = {name: sorted(values)[len(values) // 2] for name, values in times.items()}
