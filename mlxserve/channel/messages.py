@@ -26,6 +26,8 @@ class Hello(_Message):
     context_length: int
     eos_token_ids: list[int]
     speculative_depth: int
+    # `speculative_depth` is then the most drafts a round may make.
+    speculative_auto: bool = False
     plan: dict[str, Any]
 
 

@@ -177,6 +177,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         context_length=info.context_length,
         eos_token_ids=info.eos_token_ids,
         speculative_depth=engine.depth,
+        speculative_auto=engine.auto,
         plan=plan.document(),
     )
     loop = EngineLoop(engine)

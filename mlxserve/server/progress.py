@@ -45,9 +45,11 @@ class Console:
     def engine_up(self, name: str, info: BackendInfo, seconds: float, restart: bool) -> None:
         what = "restarted" if restart else "up"
         pid = f"pid {info.pid}, " if info.pid else ""
+        depth = info.speculative_depth
+        shown = f"auto (up to {depth})" if info.speculative_auto else str(depth)
         self.say(
             f"backend '{name}' {what} in {seconds:.1f} s ({pid}model {info.model}, "
-            f"context {info.context_length}, speculative depth {info.speculative_depth})"
+            f"context {info.context_length}, speculative depth {shown})"
         )
         if info.plan and not restart:
             self.say(plan_summary(info.plan))

@@ -97,6 +97,7 @@ class BackendInfo:
     speculative_depth: int = 0
     plan: dict[str, Any] | None = None
     pid: int | None = None
+    speculative_auto: bool = False  # the depth is chosen per round, up to `speculative_depth`
 
     @property
     def plan_hash(self) -> str:

@@ -194,6 +194,7 @@ class LocalEngine(Backend):
             context_length=hello.context_length,
             eos_token_ids=tuple(hello.eos_token_ids),
             speculative_depth=hello.speculative_depth,
+            speculative_auto=hello.speculative_auto,
             plan=hello.plan,
             pid=hello.pid,
         )
