@@ -25,6 +25,8 @@ from mlx.nn.layers.base import Module
 
 from mlxserve.engine.acceptance import greedy_accept, rejection_accept
 from mlxserve.engine.adapter import ModelAdapter, ModelState, PlainAdapter, PlainState
+from mlxserve.engine.draft_choice import ChosenRound
+from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream, probabilities, sample
@@ -219,6 +221,8 @@ class MTPRowBatch(RowBatch):
         depth: int,
         params: list[SamplingParams],
         keys: list[KeyStream],
+        choosers: list[TokenChooser | None] | None = None,
+        budgets: list[int] | None = None,
     ) -> list[list[int]]:
         """One draft + verify round for every row at once; the tokens each row emits.
 
@@ -229,7 +233,16 @@ class MTPRowBatch(RowBatch):
         rolls back on its own: its caches drop what it rejected. The MTP entries of
         the verified positions are built for all rows in one forward and trimmed per
         row. The same round as ``MTPAdapter.speculate``, row by row.
+
+        A row with a `TokenChooser` (``choosers``, with its ``budgets``) drafts and
+        verifies under its transforms (`mlxserve.engine.draft_choice`).
         """
+        rounds = [
+            ChosenRound(chooser, budget) if chooser is not None else None
+            for chooser, budget in zip(
+                choosers or [None] * len(last), budgets or [0] * len(last), strict=True
+            )
+        ]
         self.flush()
         model, states = self.model, self.states
         blocks = model.num_mtp_blocks
@@ -244,14 +257,16 @@ class MTPRowBatch(RowBatch):
             rows = self.layer_rows([s.mtp_cache[block : block + 1] for s in states])[0]
             logits, streams = model.mtp_forward(streams, token, rows, block)
             used[block] += 1
-            token = _sample_rows(logits[:, -1], params, keys)[:, None]
+            token = _draft_rows(level, logits[:, -1], params, keys, rounds)[:, None]
             drafts.append(token)
             draft_logits.append(logits[:, -1])
         draft_ids = mx.concatenate(drafts, axis=1)  # [B, k]
         verify = mx.concatenate([first, draft_ids], axis=1)  # [B, k + 1]
         main_streams = model.forward_hidden(verify, self.layer_rows([s.cache for s in states]))
         main_logits = model.head_from_streams(main_streams)  # [B, k + 1, V]
-        emitted = self._accept(draft_ids, draft_logits, main_logits, main_streams, params, keys)
+        emitted = self._accept(
+            draft_ids, draft_logits, main_logits, main_streams, params, keys, rounds
+        )
         self._rollback(depth, used, emitted, main_streams, verify)
         return emitted
 
@@ -263,8 +278,9 @@ class MTPRowBatch(RowBatch):
         main_streams: mx.array,
         params: list[SamplingParams],
         keys: list[KeyStream],
+        rounds: list[ChosenRound | None],
     ) -> list[list[int]]:
-        """One host read for the whole batch (plus one per sampled row)."""
+        """One host read for the whole batch (plus one or two per sampled or chosen row)."""
         targets = mx.argmax(main_logits, axis=-1)
         mx.eval(draft_ids, targets, main_streams)
         drafted = _int_rows(draft_ids)
@@ -272,6 +288,10 @@ class MTPRowBatch(RowBatch):
         out: list[list[int]] = []
         for row, sampling in enumerate(params):
             row_drafts = drafted[row]
+            chosen = rounds[row]
+            if chosen is not None:
+                out.append(chosen.verify(main_logits[row], keys[row]))
+                continue
             if sampling.greedy:
                 out.append(greedy_accept(row_drafts, argmaxes[row]))
                 continue
@@ -340,6 +360,26 @@ def _sample_rows(logits: mx.array, params: list[SamplingParams], keys: list[KeyS
     return mx.stack(
         [sample(logits[i], p, k.next()) for i, (p, k) in enumerate(zip(params, keys, strict=True))]
     ).astype(mx.int32)
+
+
+def _draft_rows(
+    level: int,
+    logits: mx.array,
+    params: list[SamplingParams],
+    keys: list[KeyStream],
+    rounds: list[ChosenRound | None],
+) -> mx.array:
+    """`_sample_rows`, where a row with a chooser drafts under its transforms."""
+    if not any(rounds):
+        return _sample_rows(logits, params, keys)
+    return mx.stack(
+        [
+            chosen.propose(level, logits[i], p, k.next())
+            if chosen is not None
+            else sample(logits[i], p, k.next()).astype(mx.int32)
+            for i, (p, k, chosen) in enumerate(zip(params, keys, rounds, strict=True))
+        ]
+    )
 
 
 def new_batch(adapter: ModelAdapter, states: list[ModelState]) -> DecodeBatch | None:

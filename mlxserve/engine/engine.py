@@ -257,8 +257,7 @@ class Engine:
             auto, depth = False, SEEDED_DEPTH
         depth = max(0, min(depth, self.adapter.max_draft_depth))
         chooser = None
-        if request.own_steps:
-            auto, depth = False, 0  # see `mlxserve.engine.logits`
+        if request.needs_chooser:
             try:
                 chooser = self._chooser(request)
             except ValueError as exc:

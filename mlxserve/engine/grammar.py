@@ -70,6 +70,12 @@ class Grammar:
             self._matcher.consume_tokens(tokens)
             self._check()
 
+    def rollback(self, count: int) -> None:
+        """Forget the last ``count`` accepted tokens (drafts a speculative round read)."""
+        if count and not self._matcher.rollback(count):
+            raise GrammarError(f"grammar: cannot roll back {count} tokens")
+        self._check()
+
     def allows(self, tokens: list[int]) -> int:
         """How many of ``tokens``, in order, the grammar would take from here."""
         return int(self._matcher.validate_tokens(tokens))

@@ -29,11 +29,16 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from mlxserve.engine.acceptance import greedy_accept, rejection_decision
+from mlxserve.engine.draft_choice import ChosenRound
+from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream, probabilities, sample, token_id
 
 if TYPE_CHECKING:
     from mlxserve.engine.round_costs import RoundCosts
+
+#: Draws draft ``level`` from the MTP logits [vocab] (`MTPAdapter.propose`'s form).
+Proposer = Callable[[int, mx.array, SamplingParams, mx.array], mx.array]
 
 MAX_DRAFT_DEPTH = 5
 
@@ -122,10 +127,18 @@ class MTPAdapter:
         return sample(logits, params, key)
 
     def _draft(
-        self, state: MTPState, last_token: int, depth: int, params: SamplingParams, keys: KeyStream
+        self,
+        state: MTPState,
+        last_token: int,
+        depth: int,
+        params: SamplingParams,
+        keys: KeyStream,
+        propose: Proposer | None = None,
     ) -> tuple[list[mx.array], list[mx.array], list[int]]:
-        """Lazy drafts and their logits; the first forward also folds the carry in."""
+        """Lazy drafts and their logits; the first forward also folds the carry in.
+        ``propose``: how a draft is drawn (default: `propose`)."""
         assert state.carry is not None
+        propose = propose or self.propose
         blocks = self.model.num_mtp_blocks
         token = mx.array([last_token])
         successors = mx.concatenate([*state.carry_tokens, token])[None]
@@ -138,7 +151,7 @@ class MTPAdapter:
             logits, out = self.model.mtp_forward(streams, successors, state.mtp_cache[block], block)
             used[block] += streams.shape[1]
             last = logits[0, -1]
-            successors = self.propose(level, last, params, keys.next()).reshape(1, 1)
+            successors = propose(level, last, params, keys.next()).reshape(1, 1)
             streams = out[:, -1:]
             drafts.append(successors.reshape(()))
             draft_logits.append(last)
@@ -167,6 +180,37 @@ class MTPAdapter:
             mx.eval(draft_ids, count, final, main_streams, caches)
             kept = token_id(count)
             emitted = [*_ints(draft_ids)[:kept], token_id(final)]
+        accepted = len(emitted) - 1
+        _rollback(state, depth, accepted, carried, used)
+        state.carry = main_streams[:, : accepted + 1]
+        state.carry_tokens = [mx.array(emitted[:accepted])] if accepted else []
+        return emitted, depth, accepted
+
+    def speculate_chosen(
+        self,
+        state: Any,
+        last_token: int,
+        depth: int,
+        chooser: TokenChooser,
+        keys: KeyStream,
+        remaining: int,
+    ) -> tuple[list[int], int, int]:
+        """`speculate` for a request with a `TokenChooser` (``remaining``: its budget):
+        drafts and targets under its transforms, its grammar's masks read while the
+        verify forward runs (`mlxserve.engine.draft_choice`); the chooser has taken the
+        emitted tokens."""
+        assert isinstance(state, MTPState) and state.carry is not None and depth >= 1
+        carried = int(state.carry.shape[1])
+        chosen = ChosenRound(chooser, remaining)
+        drafts, _, used = self._draft(
+            state, last_token, depth, chooser.params, keys, propose=chosen.propose
+        )
+        verify_tokens = mx.concatenate([mx.array([last_token]), mx.stack(drafts)])
+        main_streams = self.model.forward_hidden(verify_tokens[None], state.cache)
+        main_logits = self.model.head_from_streams(main_streams)[0]
+        caches = [c.state for c in (*state.cache, *state.mtp_cache)]
+        mx.async_eval(main_logits, main_streams, caches)  # type: ignore[no-untyped-call]
+        emitted = chosen.verify(main_logits, keys)
         accepted = len(emitted) - 1
         _rollback(state, depth, accepted, carried, used)
         state.carry = main_streams[:, : accepted + 1]

@@ -87,9 +87,10 @@ class GenerationRequest:
             raise ValueError("max_tokens must be >= 1")
 
     @property
-    def own_steps(self) -> bool:
-        """Decoded alone and at depth 0: a grammar, a penalty or logprobs need each
-        token known before the next one's logits are read (see `engine.logits`)."""
+    def needs_chooser(self) -> bool:
+        """Chosen by a `TokenChooser` (`engine.logits`): a grammar, a penalty, a filter
+        other than top_p, or logprobs, which need each token known before the next one's
+        logits are turned into a choice."""
         return self.grammar is not None or not self.sampling.plain
 
 

@@ -7,6 +7,11 @@ across steps (`mlxserve.engine.batch`): a request joins its batch when its
 prompt is done (its prefilled state inserted) and leaves it when it finishes
 (`settle`), between any two steps; a step is one forward per batch and no
 copy of the batch. Speculative steps are delegated to the adapter.
+
+A request with a `TokenChooser` (grammar, penalties, logprobs...) decodes in the
+same batches and rounds: its row chooses from the batch's logits once the
+forward is done (a host read, so a batch holding such a row is not pipelined),
+and its speculative rounds verify under its transforms (`engine.draft_choice`).
 """
 
 import logging
@@ -183,10 +188,11 @@ class Runner:
     @staticmethod
     def _ready(sequence: Sequence) -> bool:
         """Past its first token, with its next input known: it may decode in a batch."""
-        if sequence.chooser is not None:
-            return False  # decodes alone (see `mlxserve.engine.logits`)
         if sequence.state is None or sequence.phase is not Phase.DECODE:
             return False
+        if sequence.chooser is not None:
+            # It chose its tokens as they came: its next input is its last one.
+            return bool(sequence.generated)
         if sequence.depth == 0:
             return sequence.pending is not None and sequence.budget > 1
         return sequence.pending is not None or bool(sequence.generated)
@@ -237,28 +243,60 @@ class Runner:
         else:
             inputs = batch.tokens
         logits = batch.state.step(inputs)
-        following = self._sample(rows, logits).astype(mx.int32)
+        chosen = self._choose_rows(rows, logits)
+        following = self._sample(rows, logits, chosen).astype(mx.int32)
         mx.async_eval(following)  # type: ignore[no-untyped-call]
         values = inputs.tolist()
         assert isinstance(values, list)
         for index, sequence in enumerate(rows):
-            if emits is None or emits[index]:
+            if index in chosen:
+                # Chosen now and emitted now; fed next step (and not emitted again).
+                emitted[sequence.request_id] = [chosen[index]]
+            elif emits is None or emits[index]:
                 emitted[sequence.request_id] = [int(values[index])]  # type: ignore[arg-type]
         batch.tokens = following
 
     @staticmethod
-    def _sample(rows: list[Sequence], logits: mx.array) -> mx.array:
-        if all(s.request.sampling.greedy for s in rows):
-            return mx.argmax(logits, axis=-1)
+    def _choose_rows(rows: list[Sequence], logits: mx.array) -> dict[int, int]:
+        """The rows with a `TokenChooser` choose from the batch's logits [B, V], in row
+        order, each with its own key and budget, as alone. This reads the logits back
+        (the grammar and the penalties need each token as a number), so the step whose
+        batch holds such a row is not pipelined: its forward finishes before the next
+        one is queued."""
+        return {
+            index: sequence.chooser.choose(logits[index], sequence.keys.next(), sequence.budget)
+            for index, sequence in enumerate(rows)
+            if sequence.chooser is not None
+        }
+
+    @staticmethod
+    def _sample(
+        rows: list[Sequence], logits: mx.array, chosen: dict[int, int] | None = None
+    ) -> mx.array:
+        """Each row's next token, lazily: sampled, or the one its chooser took."""
+        chosen = chosen or {}
+        if all(s.request.sampling.greedy for i, s in enumerate(rows) if i not in chosen):
+            tokens = mx.argmax(logits, axis=-1)
+            if not chosen:
+                return tokens
+            picked = mx.array([chosen.get(i, 0) for i in range(len(rows))], dtype=tokens.dtype)
+            where = mx.array([i in chosen for i in range(len(rows))])
+            return mx.where(where, picked, tokens)
         return mx.stack(
-            [sample(logits[i], s.request.sampling, s.keys.next()) for i, s in enumerate(rows)]
+            [
+                mx.array(chosen[i], dtype=mx.uint32)
+                if i in chosen
+                else sample(logits[i], s.request.sampling, s.keys.next())
+                for i, s in enumerate(rows)
+            ]
         )
 
     def _materialize(self, batch: _Batch) -> None:
         """Give each row its own next token back, before the membership changes."""
         if batch.tokens is not None:
             for index, sequence in enumerate(batch.rows):
-                sequence.pending = batch.tokens[index]
+                if sequence.chooser is None:  # a chooser's next input was emitted already
+                    sequence.pending = batch.tokens[index]
             batch.tokens = None
 
     def _remove(self, batch: _Batch, indices: list[int], finished: bool) -> None:
@@ -321,7 +359,13 @@ class Runner:
                 continue
             last = [(head[s.request_id] or s.generated)[-1] for s in rows]
             params = [s.request.sampling for s in rows]
-            tokens = drafter(last, round_depth, params, [s.keys for s in rows])
+            keys = [s.keys for s in rows]
+            if any(s.chooser is not None for s in rows):
+                choosers = [s.chooser for s in rows]
+                budgets = [s.budget - len(head[s.request_id]) for s in rows]
+                tokens = drafter(last, round_depth, params, keys, choosers, budgets)
+            else:
+                tokens = drafter(last, round_depth, params, keys)
             for sequence, row_tokens in zip(rows, tokens, strict=True):
                 sequence.stats.record(round_depth, len(row_tokens) - 1)
                 emitted[sequence.request_id] = [*head[sequence.request_id], *row_tokens]
@@ -335,7 +379,7 @@ class Runner:
         rows = batch.rows
         last = [(head[s.request_id] or s.generated)[-1] for s in rows]
         logits = batch.state.step(mx.array(last, dtype=mx.int32))
-        following = self._sample(rows, logits)
+        following = self._sample(rows, logits, self._choose_rows(rows, logits))
         values = following.tolist()
         assert isinstance(values, list)
         for sequence, value in zip(rows, values, strict=True):
@@ -353,6 +397,8 @@ class Runner:
         if batch is not None:
             self._remove(batch, [batch.rows.index(sequence)], finished=False)
         assert sequence.state is not None and (sequence.generated or sequence.pending is not None)
+        if sequence.chooser is not None:
+            return self._speculate_chosen(sequence, sequence.chooser, depth)
         drafter = getattr(self.adapter, "speculate", None)
         if depth <= 0 or drafter is None:
             started = time.perf_counter()
@@ -394,6 +440,26 @@ class Runner:
         if self.chooser is not None:
             self.chooser.record(drafted, accepted)
         return [*first, *tokens]
+
+    def _speculate_chosen(self, sequence: Sequence, chooser: TokenChooser, depth: int) -> list[int]:
+        """`_speculate` for a request with a chooser: a round under its transforms
+        (`MTPAdapter.speculate_chosen`), or one unpipelined step. Its rounds are not timed
+        for the automatic depth: the grammar's masks make them dearer than others."""
+        assert sequence.state is not None
+        drafter = getattr(self.adapter, "speculate_chosen", None)
+        depth = min(depth, sequence.budget - 1)
+        if depth <= 0 or drafter is None:
+            sequence.stats.count_step(0)
+            sequence.plain_streak += 1
+            return self._choose(sequence, chooser)
+        tokens, drafted, accepted = drafter(
+            sequence.state, sequence.generated[-1], depth, chooser, sequence.keys, sequence.budget
+        )
+        sequence.stats.record(drafted, accepted)
+        sequence.plain_streak = 0
+        if self.chooser is not None:
+            self.chooser.record(drafted, accepted)
+        return list(tokens)
 
     def _observe(self, depth: int, seconds: float) -> None:
         if self.chooser is not None:

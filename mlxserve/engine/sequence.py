@@ -36,7 +36,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     cancelled: bool = False
     stats: SpeculativeStats = field(default_factory=SpeculativeStats)
-    #: Set for requests that decode alone and unpipelined (`GenerationRequest.own_steps`).
+    #: Set for requests whose tokens it chooses (`GenerationRequest.needs_chooser`).
     chooser: TokenChooser | None = None
     #: Positions its caches can roll back: the engine's depth even when this one does not
     #: draft, since its final state goes to the prefix cache for requests that do.

@@ -26,4 +26,4 @@ def test_every_field_round_trips() -> None:
     message = decode_front(encode(as_generate(request)))
     assert isinstance(message, Generate)
     assert to_request(message, vocab_size=16) == request
-    assert request.own_steps and not GenerationRequest("p", (1,), 2).own_steps
+    assert request.needs_chooser and not GenerationRequest("p", (1,), 2).needs_chooser
