@@ -1,7 +1,8 @@
 """Requests with a grammar, penalties, logit_bias or logprobs on the demo model's engine.
 
-They decode alone at depth 0 (`mlxserve.engine.logits`); their final states still
-serve speculative requests through the prefix cache.
+They speculate at the engine's depth and decode in batches (`mlxserve.engine.logits`;
+exactness against depth 0: test_draft_choice.py); their final states serve
+speculative requests through the prefix cache.
 """
 
 import json
@@ -85,8 +86,8 @@ def test_logprobs_bias_and_seeded_filters(demo: tuple[Any, Any]) -> None:
 def test_a_speculative_request_reuses_a_constrained_requests_state(
     demo: tuple[Any, Any],
 ) -> None:
-    """The constrained request decodes at depth 0 but keeps the engine's rollback margin:
-    a speculative request starting from its cached final state can reject drafts."""
+    """A speculative request starting from a constrained request's cached final state
+    can reject drafts: the state keeps the engine's rollback margin."""
     one = engine(demo)
     ask = prompt(demo, "Python reference: for")
     tokens, _ = run(one, GenerationRequest("c", ask, 24, SamplingParams(top_k=3)))["c"]
@@ -127,8 +128,8 @@ def test_json_is_closed_before_the_budget_ends(demo: tuple[Any, Any]) -> None:
 
 
 def test_a_constrained_request_alongside_a_batch(demo: tuple[Any, Any]) -> None:
-    """Plain requests decode in their batch while a grammar request takes its own steps
-    between them: each gets the tokens it gets alone."""
+    """Plain requests and a grammar request decode in one batch: each gets the tokens
+    it gets alone."""
     model, tokenizer = demo
     loaded = LoadedModel(model, tokenizer, adapter_for(model, 0), 0)
 

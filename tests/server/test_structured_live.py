@@ -185,9 +185,9 @@ def test_n_choices_share_the_prompt_and_penalties_apply(client: openai.OpenAI) -
         n=3,
         temperature=0.9,
         seed=11,
-        # top_k: the choices decode alone (own steps). Plain speculative rows that join
-        # one decode batch from the same prefix-cache entry hit a batching bug on main
-        # (a cache concatenate shape mismatch), reported to the lead; not this test's subject.
+        # top_k: the choices have a TokenChooser (they batch and speculate like others).
+        # Without it (plain sampled choices) the cached_tokens check below fails on main
+        # too, reported to the lead; not this test's subject.
         extra_body={"top_k": 50},
     )
     assert [c.index for c in response.choices] == [0, 1, 2]
