@@ -125,29 +125,3 @@ def test_json_is_closed_before_the_budget_ends(demo: tuple[Any, Any]) -> None:
         tokens, _ = run(one, request)[f"j{seed}"]
         value = json.loads(demo[1].decode(tokens))
         assert isinstance(value["a"], str) and isinstance(value["b"], list)
-
-
-def test_a_constrained_request_alongside_a_batch(demo: tuple[Any, Any]) -> None:
-    """Plain requests and a grammar request decode in one batch: each gets the tokens
-    it gets alone."""
-    model, tokenizer = demo
-    loaded = LoadedModel(model, tokenizer, adapter_for(model, 0), 0)
-
-    def fresh() -> Engine:
-        config = EngineConfig(prefill_step=64, prefix_cache_entries=0)
-        return Engine(loaded.adapter, config, grammars=grammars_for(loaded))
-
-    options: Any = {"whitespace_flexible": False}
-    schema = {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"]}
-    grammar = LLMatcher.grammar_from_json_schema(schema, defaults=options)
-    stops = frozenset(tokenizer.eos_token_ids)
-    requests = [
-        GenerationRequest("a", prompt(demo, "Python reference: for"), 16),
-        GenerationRequest("b", prompt(demo, "The assert statement"), 16),
-        GenerationRequest("g", prompt(demo, "JSON"), 32, SamplingParams(), stops, grammar=grammar),
-    ]
-    together = run(fresh(), *requests)
-    for request in requests:
-        alone = run(fresh(), request)[request.request_id]
-        assert together[request.request_id][0] == alone[0], request.request_id
-    assert json.loads(tokenizer.decode(together["g"][0]))["k"] in ("x", "y")
