@@ -115,11 +115,18 @@ class CacheBatch:
 
 
 class RowBatch:
-    """Rows whose per-layer caches batch as rows (``cache.rows``): DeepSeek-V4."""
+    """Rows whose per-layer caches batch as rows (``cache.rows``): DeepSeek-V4.
+
+    A decode step stacks the rows' caches (``cache.stack``, where the cache offers
+    it) and keeps them stacked across steps, so the attention core runs once for the
+    batch rather than once per row; every change of membership, and anything that
+    needs a row's own state, writes the rows back first (``settle``).
+    """
 
     def __init__(self, model: Any, states: list[Any]) -> None:
         self.model = model
         self.states = list(states)
+        self._stacked: list[Any] | None = None  # per layer, while stacked
 
     def __len__(self) -> int:
         return len(self.states)
@@ -128,24 +135,52 @@ class RowBatch:
         return True  # no padding
 
     def join(self, states: list[ModelState]) -> None:
+        self.settle()
         self.states += states
 
     def keep(self, indices: list[int]) -> None:
+        self.settle()
         self.states = [self.states[i] for i in indices]
 
     def row_state(self, index: int) -> Any:
+        self.settle()
         return self.states[index]
 
     def nbytes(self) -> int:
         caches = [c for s in self.states for c in (*s.cache, *getattr(s, "mtp_cache", ()))]
+        # While stacked, the rows' own main caches hold nothing: the stacked layers do.
+        caches += self._stacked or []
         return sum(int(getattr(cache, "nbytes", 0)) for cache in caches)
 
     def layer_rows(self, caches: list[list[Any]]) -> list[Any]:
         return [layer[0].rows(list(layer)) for layer in zip(*caches, strict=True)]
 
+    def decode_caches(self) -> list[Any]:
+        """The main caches for a one-token step: stacked when every layer stacks."""
+        if self._stacked is None:
+            layers = [list(layer) for layer in zip(*(s.cache for s in self.states), strict=True)]
+            stack = [getattr(layer[0], "stack", None) for layer in layers]
+            if all(callable(f) for f in stack):
+                stacked = [f(layer) for f, layer in zip(stack, layers, strict=True)]  # type: ignore[misc]
+                if all(s is not None for s in stacked):
+                    self._stacked = stacked
+                else:  # rows not stackable: write back the layers that stacked
+                    for layer in stacked:
+                        if layer is not None:
+                            layer.unstack()
+        if self._stacked is not None:
+            return self._stacked
+        return self.layer_rows([state.cache for state in self.states])
+
+    def settle(self) -> None:
+        """Give every row its own caches back (after stacked steps)."""
+        if self._stacked is not None:
+            for layer in self._stacked:
+                layer.unstack()
+            self._stacked = None
+
     def step(self, tokens: mx.array) -> mx.array:
-        cache = self.layer_rows([state.cache for state in self.states])
-        logits: mx.array = self.model(tokens[:, None], cache=cache)
+        logits: mx.array = self.model(tokens[:, None], cache=self.decode_caches())
         return logits[:, -1]
 
 
@@ -182,14 +217,12 @@ class MTPRowBatch(RowBatch):
 
     def row_state(self, index: int) -> Any:
         self.flush()
-        return self.states[index]
+        return super().row_state(index)
 
     def step(self, tokens: mx.array) -> mx.array:
         if self._carry is None:
             self._carry = mx.concatenate([s.carry for s in self.states], axis=0)
-        streams = self.model.forward_hidden(
-            tokens[:, None], self.layer_rows([s.cache for s in self.states])
-        )
+        streams = self.model.forward_hidden(tokens[:, None], self.decode_caches())
         self._history.append(self._carry)
         self._fed.append(tokens)
         self._carry = streams[:, -1:]
@@ -231,6 +264,7 @@ class MTPRowBatch(RowBatch):
         row. The same round as ``MTPAdapter.speculate``, row by row.
         """
         self.flush()
+        self.settle()
         model, states = self.model, self.states
         blocks = model.num_mtp_blocks
         streams = mx.concatenate([s.carry for s in states], axis=0)

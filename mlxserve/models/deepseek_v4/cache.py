@@ -20,8 +20,13 @@ next call re-emit them. ``is_trimmable()`` is true only with a margin.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
+
+if TYPE_CHECKING:
+    from .stacked import StackedRows
 
 
 def _append(cached: mx.array | None, new: mx.array) -> mx.array:
@@ -182,6 +187,14 @@ class LayerCache(_BaseCache):
     def rows(cls, caches: list[LayerCache]) -> RowCaches:
         """Several sequences' caches of this layer, for one batched forward."""
         return RowCaches(caches)
+
+    @classmethod
+    def stack(cls, caches: list[LayerCache]) -> StackedRows | None:
+        """Several decoding sequences' caches of this layer stacked for one-token steps
+        (``stacked.py``), or None when they do not stack (a row without a window)."""
+        from .stacked import StackedRows  # stacked.py builds on this module
+
+        return StackedRows(caches) if StackedRows.can_stack(caches) else None
 
 
 class RowCaches:
