@@ -172,6 +172,11 @@ class RowBatch:
             return self._stacked
         return self.layer_rows([state.cache for state in self.states])
 
+    @property
+    def stacked(self) -> bool:
+        """Whether the rows' main caches are stacked now (between decode steps)."""
+        return self._stacked is not None
+
     def settle(self) -> None:
         """Give every row its own caches back (after stacked steps)."""
         if self._stacked is not None:

@@ -1,0 +1,188 @@
+"""DeepSeek-V4 decode-step benchmark on the built-in demo model; prints one JSON document.
+
+For batches of 1, 2, 4 and 8 rows of different lengths (past the sliding window, at
+different compressor phases), one decode step (one token per row) two ways, in this
+one process, interleaved over repeats so drift hits them alike:
+
+- ``per_row``: ``RowCaches``, the attention core (window, compressors, indexer) run
+  row by row, the projections, MoE and head once for the batch;
+- ``stacked``: ``RowBatch.step``, the rows' caches stacked (``stacked.py``), the
+  core once for the batch.
+
+Per batch size: the median step time, tokens/s (rows / step time), the scaling over
+the same path at batch 1, the stacked path's speed-up, and the MLX primitives in
+a step's graph (``mx.export_to_dot`` of the logits and the updated caches; the mean
+over 16 steps, a period of the compressors): all of them, and those that launch a
+kernel (views such as reshapes and slices left out; ``top`` lists the commonest of
+the last counted step). A GPU at these sizes is bound by launches, so the primitive counts say more
+about the gain there than a CPU's timings do.
+
+Run: python benchmarks/batch_step.py [--batches 1,2,4,8] [--steps 32] [--repeats 3]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from typing import Any
+
+import mlx.core as mx
+
+from mlxserve.engine.adapter import PlainAdapter, PlainState
+from mlxserve.engine.batch import RowBatch
+from mlxserve.hardware.probe import benchmark_device
+from mlxserve.models.deepseek_v4.cache import RowCaches
+
+#: primitives that make a view (or nothing) rather than launch a kernel
+VIEWS = {"Broadcast", "Reshape", "Slice", "Transpose", "ExpandDims", "Squeeze", "StopGradient"}
+
+
+#: steps whose graphs are counted: a whole period of the demo's compressors (ratios 4, 16)
+COUNTED_STEPS = 16
+
+
+def prompt(row: int, length: int) -> list[int]:
+    return [(7 * i + 13 * row + 3) % 1000 + 6 for i in range(length)]
+
+
+def prefill(adapter: PlainAdapter, batch: int, base: int) -> list[PlainState]:
+    """``batch`` rows, row ``i`` of ``base + 11 * i`` tokens (different compressor phases)."""
+    states = []
+    for row in range(batch):
+        state = adapter.new_state(0)
+        adapter.prefill(state, prompt(row, base + 11 * row))
+        states.append(state)  # type: ignore[arg-type]
+    return states
+
+
+class PerRow:
+    """The row-by-row core (``RowCaches``), as decode batches ran before stacking."""
+
+    def __init__(self, model: Any, states: list[PlainState]) -> None:
+        self.model, self.states = model, states
+
+    def step(self, tokens: mx.array) -> mx.array:
+        layers = [
+            RowCaches(list(layer)) for layer in zip(*(s.cache for s in self.states), strict=True)
+        ]
+        logits: mx.array = self.model(tokens[:, None], cache=layers)
+        return logits[:, -1]
+
+    def arrays(self) -> list[mx.array]:
+        return [a for s in self.states for c in s.cache for a in c.state]
+
+
+class Stacked(RowBatch):
+    def arrays(self) -> list[mx.array]:
+        layers = self._stacked or []
+        return [a for layer in layers for a in (layer.window, *_compressor_arrays(layer))]
+
+
+def _compressor_arrays(layer: Any) -> list[mx.array]:
+    return [a for c in layer.compressors.values() for a in c.arrays()]
+
+
+def count_primitives(outputs: list[mx.array]) -> dict[str, Any]:
+    """The primitives in the (unevaluated) graph of ``outputs``."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "step.dot")
+        mx.export_to_dot(path, *outputs)  # type: ignore[attr-defined]
+        with open(path) as handle:
+            labels = [
+                line.split('label ="', 1)[1].split('"', 1)[0]
+                for line in handle
+                if "shape=rectangle" in line
+            ]
+    kinds = Counter(labels)
+    return {
+        "primitives": len(labels),
+        "kernels": sum(n for kind, n in kinds.items() if kind not in VIEWS),
+        "top": dict(kinds.most_common(8)),
+    }
+
+
+def run_steps(runner: Any, tokens: mx.array, steps: int) -> tuple[float, mx.array]:
+    """Seconds per step over ``steps`` greedy steps (each evaluated, caches included)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = runner.step(tokens)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        mx.eval(tokens, runner.arrays())
+    return (time.perf_counter() - start) / steps, tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,2,4,8", help="comma-separated batch sizes")
+    parser.add_argument("--steps", type=int, default=32, help="timed steps per repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--context", type=int, default=40, help="the shortest row's prompt")
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+
+    from mlxserve.engine.build import materialize
+    from mlxserve.models import load
+
+    model, _ = load("demo")
+    materialize(model)
+    adapter = PlainAdapter(model)
+    result: dict[str, Any] = {
+        "model": "demo",
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "context": args.context,
+        "device": benchmark_device(),
+    }
+    sizes: dict[str, Any] = {}
+    for batch in batches:
+        runners = {
+            "per_row": PerRow(model, prefill(adapter, batch, args.context)),
+            "stacked": Stacked(model, prefill(adapter, batch, args.context)),
+        }
+        first = mx.array([5 + row for row in range(batch)], dtype=mx.int32)
+        tokens = {name: first for name in runners}
+        counts = {}
+        for name, runner in runners.items():
+            logits = runner.step(tokens[name])  # builds the stacked state (and warms up)
+            mx.eval(logits, runner.arrays())
+            graphs = []
+            for _ in range(COUNTED_STEPS):  # every phase of the compressors' windows
+                logits = runner.step(tokens[name])
+                graphs.append(count_primitives([logits, *runner.arrays()]))
+                tokens[name] = mx.argmax(logits, axis=-1).astype(mx.int32)
+                mx.eval(tokens[name], runner.arrays())
+            counts[name] = {
+                "primitives": statistics.mean(g["primitives"] for g in graphs),
+                "kernels": statistics.mean(g["kernels"] for g in graphs),
+                "kernels_max": max(g["kernels"] for g in graphs),
+                "top": graphs[-1]["top"],
+            }
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for _ in range(args.repeats):
+            for name, runner in runners.items():
+                seconds, tokens[name] = run_steps(runner, tokens[name], args.steps)
+                times[name].append(seconds)
+        entry: dict[str, Any] = {}
+        for name in runners:
+            step_s = statistics.median(times[name])
+            entry[name] = {"step_ms": 1000 * step_s, "tok_s": batch / step_s, **counts[name]}
+        entry["stacked_speedup"] = entry["per_row"]["step_ms"] / entry["stacked"]["step_ms"]
+        entry["kernels_per_row_over_stacked"] = (
+            entry["per_row"]["kernels"] / entry["stacked"]["kernels"]
+        )
+        sizes[str(batch)] = entry
+    base = sizes[str(batches[0])]
+    for entry in sizes.values():
+        for name in ("per_row", "stacked"):
+            entry[name]["tok_s_over_batch_" + str(batches[0])] = (
+                entry[name]["tok_s"] / base[name]["tok_s"]
+            )
+    result["batches"] = sizes
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
