@@ -119,8 +119,10 @@ class RowBatch:
 
     A decode step stacks the rows' caches (``cache.stack``, where the cache offers
     it) and keeps them stacked across steps, so the attention core runs once for the
-    batch rather than once per row; every change of membership, and anything that
-    needs a row's own state, writes the rows back first (``settle``).
+    batch rather than once per row. Joining rows are stacked onto the batch, leaving
+    ones get their own caches back (copies) while the rest stay stacked; before the
+    rows speculate (several tokens each) they all get their own caches back
+    (``settle``, slices) and the next decode step stacks them again.
     """
 
     def __init__(self, model: Any, states: list[Any]) -> None:
@@ -135,15 +137,31 @@ class RowBatch:
         return True  # no padding
 
     def join(self, states: list[ModelState]) -> None:
-        self.settle()
+        if self._stacked is not None:
+            joining = _stack([s.cache for s in states])  # type: ignore[attr-defined]
+            ok = joining is not None and all(
+                mine.compatible(theirs) for mine, theirs in zip(self._stacked, joining, strict=True)
+            )
+            if joining is not None and ok:
+                for mine, theirs in zip(self._stacked, joining, strict=True):
+                    mine.extend(theirs)
+            else:
+                for layer in joining or []:
+                    layer.unstack()
+                self.settle()
         self.states += states
 
     def keep(self, indices: list[int]) -> None:
-        self.settle()
+        if self._stacked is not None:
+            for layer in self._stacked:
+                layer.take(indices)
         self.states = [self.states[i] for i in indices]
 
     def row_state(self, index: int) -> Any:
-        self.settle()
+        """Row ``index``'s state, its caches its own (copied out of the stack, if stacked:
+        a row that leaves must not keep the batch's tensors alive)."""
+        for layer in self._stacked or []:
+            layer.write_back(index, own=True)
         return self.states[index]
 
     def nbytes(self) -> int:
@@ -158,16 +176,7 @@ class RowBatch:
     def decode_caches(self) -> list[Any]:
         """The main caches for a one-token step: stacked when every layer stacks."""
         if self._stacked is None:
-            layers = [list(layer) for layer in zip(*(s.cache for s in self.states), strict=True)]
-            stack = [getattr(layer[0], "stack", None) for layer in layers]
-            if all(callable(f) for f in stack):
-                stacked = [f(layer) for f, layer in zip(stack, layers, strict=True)]  # type: ignore[misc]
-                if all(s is not None for s in stacked):
-                    self._stacked = stacked
-                else:  # rows not stackable: write back the layers that stacked
-                    for layer in stacked:
-                        if layer is not None:
-                            layer.unstack()
+            self._stacked = _stack([state.cache for state in self.states])
         if self._stacked is not None:
             return self._stacked
         return self.layer_rows([state.cache for state in self.states])
@@ -178,7 +187,7 @@ class RowBatch:
         return self._stacked is not None
 
     def settle(self) -> None:
-        """Give every row its own caches back (after stacked steps)."""
+        """Give every row its own caches back (slices of the stacked state)."""
         if self._stacked is not None:
             for layer in self._stacked:
                 layer.unstack()
@@ -420,6 +429,17 @@ def can_join(batch: DecodeBatch, state: ModelState) -> bool:
             callable(getattr(c, "merge", None)) for c in state.cache
         )
     return False
+
+
+def _stack(caches: list[list[Any]]) -> list[Any] | None:
+    """Every layer of these rows stacked (``cache.stack``), or None when one cannot be
+    (its rows then keep their own caches)."""
+    layers = [list(layer) for layer in zip(*caches, strict=True)]
+    if not all(callable(getattr(layer[0], "stack", None)) for layer in layers):
+        return None
+    if not all(layer[0].can_stack(layer) for layer in layers):
+        return None
+    return [layer[0].stack(layer) for layer in layers]
 
 
 def _rows_capable(caches: list[Any]) -> bool:

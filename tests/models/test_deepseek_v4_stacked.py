@@ -3,9 +3,9 @@
 Rows of different lengths (below and past the sliding window, at every phase of the
 compressors' windows, with and without the indexer picking a subset) take one-token
 steps stacked and, on a second set of caches, row by row (``RowCaches``); the logits
-agree to float32 rounding, rows are written back and stacked again with a row
-leaving and one joining, and the written-back caches equal the row-by-row ones,
-rollback margin included (a trim afterwards still decodes exactly).
+agree to float32 rounding while a row leaves (with its own copy of its caches, which
+decodes on alone) and one joins the stack, and the written-back caches equal the
+row-by-row ones, rollback margin included (a trim afterwards still decodes exactly).
 """
 
 from typing import Any
@@ -17,7 +17,6 @@ from mlxserve.engine.adapter import PlainState
 from mlxserve.engine.batch import RowBatch
 from mlxserve.models.deepseek_v4 import Model
 from mlxserve.models.deepseek_v4.cache import LayerCache, RowCaches
-from mlxserve.models.deepseek_v4.stacked import StackedRows
 from tests.engine.v4_models import tiny_v4
 
 ATOL = 1e-4
@@ -76,22 +75,28 @@ def test_stacked_steps_match_rows(models: dict[str, Model], name: str, margin: i
     batch = RowBatch(model, [PlainState(c) for c in stacked_caches])
     tokens = mx.array([3, 7, 11, 13], dtype=mx.int32)
     worst = 0.0
+    left: Any = None
     for step in range(22):  # past the window, across both compressors' boundaries
         ours = batch.step(tokens)
         theirs = per_row_step(model, row_caches, tokens)
         assert batch.stacked
         worst = max(worst, mx.abs(ours - theirs).max().item())
         tokens = mx.argmax(theirs, axis=-1).astype(mx.int32)
-        if step == 9:  # the first row leaves, a new one joins: written back, stacked again
+        if step == 9:  # the first row leaves, a new one joins; the others stay stacked
+            left = batch.row_state(0)
             batch.keep([1, 2, 3])
-            row_caches = row_caches[1:]
-            joining = prefilled(model, [26], margin)[0]
-            batch.join([PlainState(joining)])
+            assert_same_caches(left.cache, row_caches[0])
+            alone = row_caches.pop(0)
+            batch.join([PlainState(prefilled(model, [26], margin)[0])])
             row_caches.append(prefilled(model, [26], margin)[0])
-            assert not batch.stacked
+            assert batch.stacked
             tokens = mx.concatenate([tokens[1:], mx.array([17], dtype=mx.int32)])
     assert worst < ATOL
+    # The row that left decodes on its own, as its reference does.
+    again = model(mx.array([[5]]), cache=left.cache)
+    assert mx.allclose(again, model(mx.array([[5]]), cache=alone), atol=ATOL).item()
     state: Any = batch.row_state(0)  # written back
+    batch.settle()
     for row, caches in enumerate(row_caches):
         assert_same_caches(batch.states[row].cache, caches)
     if margin:  # the written-back rows keep their rollback margin: trim, decode again
@@ -107,7 +112,6 @@ def test_stacked_rows_take_one_token_each(models: dict[str, Model]) -> None:
     model = models["tiny"]
     caches = prefilled(model, [4, 9], 0)
     layers = [LayerCache.stack(list(layer)) for layer in zip(*caches, strict=True)]
-    assert all(isinstance(layer, StackedRows) for layer in layers)
     with pytest.raises(ValueError, match="one token for each of their 2 rows"):
         model(mx.array([[1, 2], [3, 4]]), cache=layers)
 
@@ -116,7 +120,9 @@ def test_rows_without_a_window_are_not_stacked(models: dict[str, Model]) -> None
     """A row that has seen nothing does not stack: the batch steps row by row."""
     model = models["tiny"]
     fresh = model.make_cache()
-    assert LayerCache.stack([prefilled(model, [4], 0)[0][0], fresh[0]]) is None
+    assert not LayerCache.can_stack([prefilled(model, [4], 0)[0][0], fresh[0]])
+    with pytest.raises(ValueError, match="do not stack"):
+        LayerCache.stack([fresh[0]])
     batch = RowBatch(model, [PlainState(prefilled(model, [4], 0)[0]), PlainState(fresh)])
     logits = batch.step(mx.array([1, 2], dtype=mx.int32))
     assert logits.shape == (2, 61) and not batch.stacked

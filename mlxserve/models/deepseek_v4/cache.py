@@ -189,12 +189,21 @@ class LayerCache(_BaseCache):
         return RowCaches(caches)
 
     @classmethod
-    def stack(cls, caches: list[LayerCache]) -> StackedRows | None:
-        """Several decoding sequences' caches of this layer stacked for one-token steps
-        (``stacked.py``), or None when they do not stack (a row without a window)."""
+    def can_stack(cls, caches: list[LayerCache]) -> bool:
+        """Whether ``stack`` takes these caches (decoding rows of one layer kind)."""
         from .stacked import StackedRows  # stacked.py builds on this module
 
-        return StackedRows(caches) if StackedRows.can_stack(caches) else None
+        return StackedRows.can_stack(caches)
+
+    @classmethod
+    def stack(cls, caches: list[LayerCache]) -> StackedRows:
+        """Several decoding sequences' caches of this layer stacked for one-token steps
+        (``stacked.py``); they hold nothing of their own until written back."""
+        from .stacked import StackedRows
+
+        if not StackedRows.can_stack(caches):
+            raise ValueError("these caches do not stack (a row without a window?)")
+        return StackedRows(caches)
 
 
 class RowCaches:

@@ -48,6 +48,11 @@ def _left_pad(
     return mx.concatenate(padded, axis=0)
 
 
+def _slice(view: mx.array, own: bool) -> mx.array:
+    # mx.array(x) copies x's data into a new buffer; a slice shares the stacked one.
+    return mx.array(view) if own else view
+
+
 def entry_capacity(count: int) -> int:
     """The capacity that holds ``count`` entries plus the one a step may write."""
     return (count // ENTRY_STEP + 1) * ENTRY_STEP
@@ -123,17 +128,50 @@ class StackedCompressor:
         """[B, capacity] mask of each row's entries."""
         return mx.arange(self.capacity)[None, :] < mx.array(self.counts)[:, None]
 
-    def unstack(self, row: int, state: CompressorState, offset: int) -> None:
-        """Give row ``row`` (now at ``offset``) its single-sequence state back."""
+    def write_back(self, row: int, state: CompressorState, offset: int, own: bool) -> None:
+        """Give row ``row`` (now at ``offset``) its single-sequence state back: slices of
+        the stacked tensors, or with ``own`` copies (which do not keep them alive)."""
         start = state.first_needed(max(offset - self.margin, 0))
         kept = offset - start
-        state.raw_kv = self.raw_kv[row : row + 1, self.length - kept :]
-        state.raw_gate = self.raw_gate[row : row + 1, self.length - kept :]
+        state.raw_kv = _slice(self.raw_kv[row : row + 1, self.length - kept :], own)
+        state.raw_gate = _slice(self.raw_gate[row : row + 1, self.length - kept :], own)
         state.raw_start = start
         count = self.counts[row]
         state.entries = (
-            None if self.entries is None or count == 0 else self.entries[row : row + 1, :count]
+            None
+            if self.entries is None or count == 0
+            else _slice(self.entries[row : row + 1, :count], own)
         )
+
+    def take(self, rows: mx.array, counts: list[int]) -> None:
+        """Keep the rows ``rows`` (whose counts are ``counts``), in that order."""
+        self.raw_kv, self.raw_gate = self.raw_kv[rows], self.raw_gate[rows]
+        self.counts = counts
+        if self.entries is not None:
+            self.entries = self.entries[rows, : entry_capacity(max(counts))]
+
+    def extend(self, other: StackedCompressor) -> None:
+        """Append ``other``'s rows (same layer kind and margin)."""
+        self.raw_kv = mx.concatenate([self.raw_kv, other.raw_kv])
+        self.raw_gate = mx.concatenate([self.raw_gate, other.raw_gate])
+        ours, theirs = self._padded(other), other._padded(self)
+        self.counts = self.counts + other.counts
+        if ours is not None and theirs is not None:
+            self.entries = mx.concatenate([ours, theirs])
+
+    def _padded(self, other: StackedCompressor) -> mx.array | None:
+        """This side's entries at the larger of the two capacities (zeros if none)."""
+        sample = self.entries if self.entries is not None else other.entries
+        if sample is None:
+            return None
+        capacity = max(self.capacity, other.capacity)
+        rows, dim = len(self.counts), int(sample.shape[-1])
+        if self.entries is None:
+            return mx.zeros((rows, capacity, dim), sample.dtype)
+        if capacity == self.capacity:
+            return self.entries
+        grow = mx.zeros((rows, capacity - self.capacity, dim), sample.dtype)
+        return mx.concatenate([self.entries, grow], axis=1)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.raw_kv, self.raw_gate, self.entries) if a is not None]
@@ -194,14 +232,56 @@ class StackedRows:
     def advance(self) -> None:
         self.offsets = [offset + 1 for offset in self.offsets]
 
+    def compatible(self, other: StackedRows) -> bool:
+        """Whether ``other``'s rows can join these (same layer kind, margin, dtypes)."""
+        return (
+            (self.sliding_window, self.max_rollback, self.window.dtype)
+            == (other.sliding_window, other.max_rollback, other.window.dtype)
+            and self.compressors.keys() == other.compressors.keys()
+            and all(
+                (c.raw_kv.dtype, c.raw_gate.dtype, c.length)
+                == (o.raw_kv.dtype, o.raw_gate.dtype, o.length)
+                and (c.entries is None or o.entries is None or c.entries.dtype == o.entries.dtype)
+                for c, o in zip(self.compressors.values(), other.compressors.values(), strict=True)
+            )
+        )
+
+    def extend(self, other: StackedRows) -> None:
+        """Append ``other``'s rows (``compatible``): one copy of each stacked tensor."""
+        self.window = mx.concatenate([self.window, other.window])
+        for name, stacked in self.compressors.items():
+            stacked.extend(other.compressors[name])
+        self.rows = self.rows + other.rows
+        self.offsets = self.offsets + other.offsets
+
+    def take(self, indices: list[int]) -> None:
+        """Keep these rows, in this order; the others get their own caches back (copies,
+        so the stacked tensors are not kept alive by a row that left)."""
+        kept = set(indices)
+        for index in range(len(self.rows)):
+            if index not in kept:
+                self.write_back(index, own=True)
+        rows = mx.array(indices)
+        self.window = self.window[rows]
+        for stacked in self.compressors.values():
+            stacked.take(rows, [stacked.counts[i] for i in indices])
+        self.rows = [self.rows[i] for i in indices]
+        self.offsets = [self.offsets[i] for i in indices]
+
+    def write_back(self, index: int, own: bool) -> None:
+        """Row ``index``'s own ``LayerCache`` (slices, or with ``own`` copies) from the
+        stacked state; the row stays stacked (the stack remains its state)."""
+        row, offset = self.rows[index], self.offsets[index]
+        kept = min(offset, self.keep)
+        row.window = _slice(self.window[index : index + 1, self.keep - kept :], own)
+        row.offset = offset
+        for name, stacked in self.compressors.items():
+            stacked.write_back(index, row.compressors[name], offset, own)
+
     def unstack(self) -> None:
         """Write every row's own ``LayerCache`` back (slices, no copy)."""
-        for index, (row, offset) in enumerate(zip(self.rows, self.offsets, strict=True)):
-            kept = min(offset, self.keep)
-            row.window = self.window[index : index + 1, self.keep - kept :]
-            row.offset = offset
-            for name, stacked in self.compressors.items():
-                stacked.unstack(index, row.compressors[name], offset)
+        for index in range(len(self.rows)):
+            self.write_back(index, own=False)
 
     @property
     def nbytes(self) -> int:
