@@ -17,6 +17,13 @@ kernel (views such as reshapes and slices left out; ``top`` lists the commonest 
 the last counted step). A GPU at these sizes is bound by launches, so the primitive counts say more
 about the gain there than a CPU's timings do.
 
+Then the same comparison through the engine (``engine``): 1 / 2 / 4 / 8 requests of
+``--engine-tokens`` greedy tokens at once, served as ``mlxserve serve`` serves the
+demo (MTP at the default depth: a lone request drafts, two draft together, more
+decode in a plain batch), aggregate tok/s and its ratio to one request's, with the
+batch's rows stacked and (``RowBatch.decode_caches`` swapped for the row-by-row
+caches) not: the demo's targets, without the HTTP server around it.
+
 Run: python benchmarks/batch_step.py [--batches 1,2,4,8] [--steps 32] [--repeats 3]
 [--clock wall|cpu] (about a minute on a 2-core CPU)
 """
@@ -28,12 +35,23 @@ import statistics
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 
 from mlxserve.engine.adapter import PlainAdapter, PlainState
 from mlxserve.engine.batch import RowBatch
+from mlxserve.engine.build import (
+    DEFAULT_MTP_DEPTH,
+    SPECULATIVE_BATCH,
+    SPECULATIVE_BATCH_DEPTH,
+    adapter_for,
+)
+from mlxserve.engine.drive import drain
+from mlxserve.engine.engine import Engine, EngineConfig
+from mlxserve.engine.request import FinishEvent, GenerationRequest, TokensEvent
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.models.deepseek_v4.cache import RowCaches
 
@@ -120,12 +138,82 @@ def run_steps(runner: Any, tokens: mx.array, steps: int) -> tuple[float, mx.arra
     return (CLOCK[0]() - start) / steps, tokens
 
 
+@contextmanager
+def rows_unstacked() -> Iterator[None]:
+    """Decode batches run the attention core row by row, as before stacking."""
+    stacked = RowBatch.decode_caches
+
+    def per_row(self: RowBatch) -> list[Any]:
+        return self.layer_rows([state.cache for state in self.states])
+
+    setattr(RowBatch, "decode_caches", per_row)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(RowBatch, "decode_caches", stacked)  # noqa: B010
+
+
+def engine_rate(model: Any, clients: int, tokens: int, context: int) -> float:
+    """Aggregate tok/s of ``clients`` greedy requests submitted at once (prefill included)."""
+    depth = DEFAULT_MTP_DEPTH
+    config = EngineConfig(
+        max_running=clients,
+        speculative_depth=depth,
+        prefix_cache_entries=0,
+        max_speculative_batch=SPECULATIVE_BATCH,
+        batch_speculative_depth=SPECULATIVE_BATCH_DEPTH,
+    )
+    engine = Engine(adapter_for(model, depth), config)
+    start = CLOCK[0]()
+    streams = [
+        engine.submit(GenerationRequest(f"r{i}", tuple(prompt(i, context + 11 * i)), tokens))
+        for i in range(clients)
+    ]
+    produced, finished = 0, 0
+    for _ in range(100 * tokens * clients):  # a bound, not a budget
+        engine.run_once()
+        for stream in streams:
+            for event in drain(stream):
+                if isinstance(event, TokensEvent):
+                    produced += len(event.token_ids)
+                elif isinstance(event, FinishEvent):
+                    finished += 1
+        if finished == clients:
+            return produced / (CLOCK[0]() - start)
+    raise RuntimeError("the engine did not finish its requests")
+
+
+def engine_scaling(
+    model: Any, levels: list[int], tokens: int, context: int, repeats: int
+) -> dict[str, Any]:
+    """Aggregate tok/s per number of requests, stacked and row by row, interleaved."""
+    rates: dict[str, dict[int, list[float]]] = {"stacked": {}, "per_row": {}}
+    for n in levels:  # untimed: kernels compile on a shape's first use
+        engine_rate(model, n, 8, context)
+    for _ in range(repeats):
+        for n in levels:
+            rates["stacked"].setdefault(n, []).append(engine_rate(model, n, tokens, context))
+            with rows_unstacked():
+                rates["per_row"].setdefault(n, []).append(engine_rate(model, n, tokens, context))
+    out: dict[str, Any] = {"tokens": tokens, "depth": DEFAULT_MTP_DEPTH}
+    for name, by_level in rates.items():
+        medians = {n: statistics.median(values) for n, values in by_level.items()}
+        out[name] = {
+            str(n): {"tok_s": rate, "over_1": rate / medians[levels[0]]}
+            for n, rate in medians.items()
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,2,4,8", help="comma-separated batch sizes")
     parser.add_argument("--steps", type=int, default=32, help="timed steps per repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--context", type=int, default=40, help="the shortest row's prompt")
+    parser.add_argument(
+        "--engine-tokens", type=int, default=64, help="tokens per request (0: no engine part)"
+    )
     parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -196,6 +284,10 @@ def main() -> None:
                 entry[name]["tok_s"] / base[name]["tok_s"]
             )
     result["batches"] = sizes
+    if args.engine_tokens > 0:
+        result["engine"] = engine_scaling(
+            model, batches, args.engine_tokens, args.context, args.repeats
+        )
     print(json.dumps(result, indent=2))
 
 
