@@ -96,12 +96,7 @@ class PerRow:
 
 class Stacked(RowBatch):
     def arrays(self) -> list[mx.array]:
-        layers = self._stacked or []
-        return [a for layer in layers for a in (layer.window, *_compressor_arrays(layer))]
-
-
-def _compressor_arrays(layer: Any) -> list[mx.array]:
-    return [a for c in layer.compressors.values() for a in c.arrays()]
+        return [a for layer in self.decode_caches() for a in layer.state]
 
 
 def count_primitives(outputs: list[mx.array]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ decodes on alone) and one joins the stack, and the written-back caches equal the
 row-by-row ones, rollback margin included (a trim afterwards still decodes exactly).
 """
 
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ import pytest
 
 from mlxserve.engine.adapter import PlainState
 from mlxserve.engine.batch import RowBatch
+from mlxserve.engine.build import materialize
 from mlxserve.models.deepseek_v4 import Model
 from mlxserve.models.deepseek_v4.cache import LayerCache, RowCaches
 from tests.engine.v4_models import tiny_v4
@@ -31,6 +33,7 @@ def prefilled(model: Model, lengths: list[int], margin: int) -> list[list[LayerC
     for row, length in enumerate(lengths):
         cache = model.make_cache(margin)
         model(mx.array([prompt(row, length)]), cache=cache)
+        mx.eval([layer.state for layer in cache])
         caches.append(cache)
     return caches
 
@@ -53,7 +56,7 @@ def assert_same_caches(ours: list[LayerCache], theirs: list[LayerCache]) -> None
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, Model]:
-    return {
+    built = {
         "tiny": tiny_v4(),
         # a short window, the indexer's subset of 2 and a compressed layer of ratio 8
         "narrow": tiny_v4(
@@ -63,6 +66,9 @@ def models() -> dict[str, Model]:
             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         ),
     }
+    for model in built.values():
+        materialize(model)  # private arrays (RoPE, group ids) too: steady graphs to count
+    return built
 
 
 @pytest.mark.parametrize("name", ["tiny", "narrow"])
@@ -127,3 +133,45 @@ def test_rows_without_a_window_are_not_stacked(models: dict[str, Model]) -> None
     logits = batch.step(mx.array([1, 2], dtype=mx.int32))
     assert logits.shape == (2, 61) and not batch.stacked
     assert [c.offset for c in batch.states[1].cache] == [1, 1, 1]
+
+
+#: primitives that make views rather than launch kernels
+VIEWS = {"Broadcast", "Reshape", "Slice", "Transpose", "ExpandDims", "Squeeze", "StopGradient"}
+
+
+def step_kernels(model: Model, caches: list[Any], rows: int, path: Path) -> int:
+    """The kernel-launching primitives in one (unevaluated) decode step's graph."""
+    logits = model(mx.ones((rows, 1), dtype=mx.int32), cache=caches)
+    mx.export_to_dot(str(path), logits)  # type: ignore[attr-defined]
+    labels = [
+        line.split('label ="', 1)[1].split('"', 1)[0]
+        for line in path.read_text().splitlines()
+        if "shape=rectangle" in line
+    ]
+    mx.eval(logits)
+    return sum(label not in VIEWS for label in labels)
+
+
+def test_a_stacked_step_launches_no_kernel_per_row(
+    models: dict[str, Model], tmp_path: Path
+) -> None:
+    """Rows at the same compressor phases: 1 or 5 rows, the stacked step's graph has the
+    same kernels (the GPU is bound by launches); row by row it grows with the rows."""
+    model = models["tiny"]
+    counts = {}
+    for rows in (1, 5):
+        lengths = [21 + 16 * i for i in range(rows)]  # past the window, one phase
+        stacked = [
+            LayerCache.stack(list(layer))
+            for layer in zip(*prefilled(model, lengths, 0), strict=True)
+        ]
+        mx.eval([layer.state for layer in stacked])
+        per_row = [
+            RowCaches(list(layer)) for layer in zip(*prefilled(model, lengths, 0), strict=True)
+        ]
+        counts[rows] = (
+            step_kernels(model, stacked, rows, tmp_path / "stacked.dot"),
+            step_kernels(model, per_row, rows, tmp_path / "rows.dot"),
+        )
+    assert counts[5][0] == counts[1][0]
+    assert counts[5][1] > counts[1][1] + 4 * 10

@@ -284,6 +284,10 @@ class StackedRows:
             self.write_back(index, own=False)
 
     @property
+    def state(self) -> list[mx.array]:
+        """Every stacked tensor (to evaluate them, or count their bytes)."""
+        return [self.window, *(a for c in self.compressors.values() for a in c.arrays())]
+
+    @property
     def nbytes(self) -> int:
-        arrays = [self.window, *(a for c in self.compressors.values() for a in c.arrays())]
-        return sum(int(a.nbytes) for a in arrays)
+        return sum(int(a.nbytes) for a in self.state)
