@@ -148,17 +148,20 @@ def rows_unstacked() -> Iterator[None]:
         setattr(RowBatch, "decode_caches", stacked)  # noqa: B010
 
 
-def engine_rate(model: Any, clients: int, tokens: int, context: int) -> float:
-    """Aggregate tok/s of ``clients`` greedy requests submitted at once (prefill included)."""
-    depth = DEFAULT_MTP_DEPTH
+def demo_engine(model: Any, clients: int) -> Engine:
+    """An engine set up as ``mlxserve serve`` sets one up for the demo (no prefix cache)."""
     config = EngineConfig(
         max_running=clients,
-        speculative_depth=depth,
+        speculative_depth=DEFAULT_MTP_DEPTH,
         prefix_cache_entries=0,
         max_speculative_batch=SPECULATIVE_BATCH,
         batch_speculative_depth=SPECULATIVE_BATCH_DEPTH,
     )
-    engine = Engine(adapter_for(model, depth), config)
+    return Engine(adapter_for(model, DEFAULT_MTP_DEPTH), config)
+
+
+def engine_rate(engine: Engine, clients: int, tokens: int, context: int) -> float:
+    """Aggregate tok/s of ``clients`` greedy requests submitted at once (prefill included)."""
     start = CLOCK[0]()
     streams = [
         engine.submit(GenerationRequest(f"r{i}", tuple(prompt(i, context + 11 * i)), tokens))
@@ -181,15 +184,21 @@ def engine_rate(model: Any, clients: int, tokens: int, context: int) -> float:
 def engine_scaling(
     model: Any, levels: list[int], tokens: int, context: int, repeats: int
 ) -> dict[str, Any]:
-    """Aggregate tok/s per number of requests, stacked and row by row, interleaved."""
+    """Aggregate tok/s per number of requests, stacked and row by row, interleaved.
+
+    One engine for all: its depth chooser calibrates once, in the untimed warm-up."""
+    engine = demo_engine(model, max(levels))
+    for n in levels:  # untimed: calibration, and kernels compile on a shape's first use
+        engine_rate(engine, n, 8, context)
+        with rows_unstacked():
+            engine_rate(engine, n, 8, context)
     rates: dict[str, dict[int, list[float]]] = {"stacked": {}, "per_row": {}}
-    for n in levels:  # untimed: kernels compile on a shape's first use
-        engine_rate(model, n, 8, context)
     for _ in range(repeats):
         for n in levels:
-            rates["stacked"].setdefault(n, []).append(engine_rate(model, n, tokens, context))
+            rates["stacked"].setdefault(n, []).append(engine_rate(engine, n, tokens, context))
             with rows_unstacked():
-                rates["per_row"].setdefault(n, []).append(engine_rate(model, n, tokens, context))
+                rate = engine_rate(engine, n, tokens, context)
+            rates["per_row"].setdefault(n, []).append(rate)
     out: dict[str, Any] = {"tokens": tokens, "depth": DEFAULT_MTP_DEPTH}
     for name, by_level in rates.items():
         medians = {n: statistics.median(values) for n, values in by_level.items()}
