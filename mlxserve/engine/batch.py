@@ -11,8 +11,11 @@ step runs one forward for every row without copying the batch. Two forms:
   long context (``fits``).
 * ``RowBatch``: models whose per-layer caches batch as rows (DeepSeek-V4: each
   row's sliding window, compressors and indexer advance at that row's own
-  position; ``LayerCache.rows``). Joining and leaving are list operations and a
-  row's state is always its own single-sequence state; no padding.
+  position; ``LayerCache.rows``). Decode steps stack the rows' caches
+  (``LayerCache.stack``) and keep them stacked across steps, so the attention
+  core runs once for the batch; a joining row is stacked and appended, a
+  leaving one copied out, and before a speculative round every row gets its own
+  single-sequence caches back (slices, no copy).
   ``MTPRowBatch`` brings each row's MTP cache and carried streams up to date
   (in one MTP forward for the steps since the last time) before a row leaves, so
   it can speculate on its own again.

@@ -13,6 +13,11 @@ inverse rotation at the query position.
 The window and the compressed keys go through one fused SDPA call with a boolean mask.
 For a single decoding query whose indexer picks a subset, the picked entries are
 gathered instead, so decoding cost does not grow with the number of entries.
+
+A batch of sequences comes as ``RowCaches`` (each row's own cache: the core runs row
+by row, any number of tokens) or, for decode steps, as ``StackedRows`` (the rows'
+state in [B, ...] tensors: the core runs once for the batch, each row masked to its
+own window and entries; see ``stacked.py``).
 """
 
 from __future__ import annotations

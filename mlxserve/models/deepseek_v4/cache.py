@@ -214,7 +214,10 @@ class RowCaches:
     window, the entries and the indexer's picks all depend on the row's own position.
     So each row keeps its own ``LayerCache``; the attention runs the cache-dependent
     part row by row and everything else (projections, MoE, head) once for the batch.
-    Rows join and leave a batch by list operations: no cache is copied.
+    Rows join and leave a batch by list operations: no cache is copied. This is the
+    form for several tokens per row (speculative verify); one-token decode steps
+    stack the rows instead (``LayerCache.stack``), which pads and masks them so the
+    core runs once for the batch.
     """
 
     def __init__(self, rows: list[LayerCache]) -> None:
