@@ -17,10 +17,15 @@ row) runs the core once for the whole batch:
 A row closes an entry when ``ratio`` divides its new length: its last ``span`` raw
 rows are then exactly that entry's window, so the pooling of every row is one batched
 computation (done only on steps where some row closes one) and a scatter writes each
-row's entry at its own count. The state stays valid for ``unstack``, which gives every
-row its own ``LayerCache`` back (slices of the stacked tensors, no copy): rows join,
-leave or speculate (several tokens, rollback) in their single-sequence form, and the
-batch stacks again at its next decode step (one copy per change of membership).
+row's entry at its own count.
+
+The stacked state always holds everything a row's ``LayerCache`` would: ``unstack``
+gives every row its own back as slices of the stacked tensors (no copy), before the
+rows speculate (several tokens, rollback) in their single-sequence form, and the
+batch stacks again at its next decode step. Membership changes keep the stack: a
+joining row is stacked and appended (``extend``), a leaving one gets copies (so it
+does not keep the batch's tensors alive) and the rest are gathered (``take``): one
+copy per change of membership, none per step.
 """
 
 from __future__ import annotations
