@@ -79,6 +79,9 @@ class StackedCompressor:
         gates = [s.raw_gate for s in states]
         self.raw_gate = _left_pad(gates, self.length, width, first.raw_gate.dtype, -mx.inf)
         self.counts = [s.num_entries for s in states]
+        # A row that rolled back holds fewer raw rows than its offset allows; those
+        # it lacks are padding, never written back as its own.
+        self.raw_starts = [s.raw_start for s in states]
         self.entries: mx.array | None = None
         with_entries = [s.entries for s in states if s.entries is not None]
         if with_entries:
@@ -136,7 +139,7 @@ class StackedCompressor:
     def write_back(self, row: int, state: CompressorState, offset: int, own: bool) -> None:
         """Give row ``row`` (now at ``offset``) its single-sequence state back: slices of
         the stacked tensors, or with ``own`` copies (which do not keep them alive)."""
-        start = state.first_needed(max(offset - self.margin, 0))
+        start = max(self.raw_starts[row], state.first_needed(max(offset - self.margin, 0)))
         kept = offset - start
         state.raw_kv = _slice(self.raw_kv[row : row + 1, self.length - kept :], own)
         state.raw_gate = _slice(self.raw_gate[row : row + 1, self.length - kept :], own)
@@ -148,12 +151,13 @@ class StackedCompressor:
             else _slice(self.entries[row : row + 1, :count], own)
         )
 
-    def take(self, rows: mx.array, counts: list[int]) -> None:
-        """Keep the rows ``rows`` (whose counts are ``counts``), in that order."""
+    def take(self, indices: list[int], rows: mx.array) -> None:
+        """Keep the rows ``indices`` (``rows``: the same on the device), in that order."""
         self.raw_kv, self.raw_gate = self.raw_kv[rows], self.raw_gate[rows]
-        self.counts = counts
+        self.raw_starts = [self.raw_starts[i] for i in indices]
+        self.counts = [self.counts[i] for i in indices]
         if self.entries is not None:
-            self.entries = self.entries[rows, : entry_capacity(max(counts))]
+            self.entries = self.entries[rows, : entry_capacity(max(self.counts))]
 
     def extend(self, other: StackedCompressor) -> None:
         """Append ``other``'s rows (same layer kind and margin)."""
@@ -161,6 +165,7 @@ class StackedCompressor:
         self.raw_gate = mx.concatenate([self.raw_gate, other.raw_gate])
         ours, theirs = self._padded(other), other._padded(self)
         self.counts = self.counts + other.counts
+        self.raw_starts = self.raw_starts + other.raw_starts
         if ours is not None and theirs is not None:
             self.entries = mx.concatenate([ours, theirs])
 
@@ -192,6 +197,10 @@ class StackedRows:
         self.max_rollback = first.max_rollback
         self.offsets = [row.offset for row in rows]
         self.keep = self.sliding_window - 1 + self.max_rollback
+        # The window rows each row holds (fewer than it may after a rollback).
+        self.held = [
+            min(int(row.window.shape[1]), self.keep) for row in rows if row.window is not None
+        ]
         sample = next(row.window for row in rows if row.window is not None)
         self.window = _left_pad(
             [row.window for row in rows], self.keep, int(sample.shape[-1]), sample.dtype, 0.0
@@ -236,6 +245,7 @@ class StackedRows:
 
     def advance(self) -> None:
         self.offsets = [offset + 1 for offset in self.offsets]
+        self.held = [min(held + 1, self.keep) for held in self.held]
 
     def compatible(self, other: StackedRows) -> bool:
         """Whether ``other``'s rows can join these (same layer kind, margin, dtypes)."""
@@ -258,6 +268,7 @@ class StackedRows:
             stacked.extend(other.compressors[name])
         self.rows = self.rows + other.rows
         self.offsets = self.offsets + other.offsets
+        self.held = self.held + other.held
 
     def take(self, indices: list[int]) -> None:
         """Keep these rows, in this order; the others get their own caches back (copies,
@@ -269,15 +280,15 @@ class StackedRows:
         rows = mx.array(indices)
         self.window = self.window[rows]
         for stacked in self.compressors.values():
-            stacked.take(rows, [stacked.counts[i] for i in indices])
+            stacked.take(indices, rows)
         self.rows = [self.rows[i] for i in indices]
         self.offsets = [self.offsets[i] for i in indices]
+        self.held = [self.held[i] for i in indices]
 
     def write_back(self, index: int, own: bool) -> None:
         """Row ``index``'s own ``LayerCache`` (slices, or with ``own`` copies) from the
         stacked state; the row stays stacked (the stack remains its state)."""
-        row, offset = self.rows[index], self.offsets[index]
-        kept = min(offset, self.keep)
+        row, offset, kept = self.rows[index], self.offsets[index], self.held[index]
         row.window = _slice(self.window[index : index + 1, self.keep - kept :], own)
         row.offset = offset
         for name, stacked in self.compressors.items():
