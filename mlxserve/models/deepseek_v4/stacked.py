@@ -53,6 +53,10 @@ def _left_pad(
     return mx.concatenate(padded, axis=0)
 
 
+def _rows(array: mx.array | None) -> int:
+    return 0 if array is None else int(array.shape[1])
+
+
 def _slice(view: mx.array, own: bool) -> mx.array:
     # mx.array(x) copies x's data into a new buffer; a slice shares the stacked one.
     return mx.array(view) if own else view
@@ -198,9 +202,7 @@ class StackedRows:
         self.offsets = [row.offset for row in rows]
         self.keep = self.sliding_window - 1 + self.max_rollback
         # The window rows each row holds (fewer than it may after a rollback).
-        self.held = [
-            min(int(row.window.shape[1]), self.keep) for row in rows if row.window is not None
-        ]
+        self.held = [min(_rows(row.window), self.keep) for row in rows]
         sample = next(row.window for row in rows if row.window is not None)
         self.window = _left_pad(
             [row.window for row in rows], self.keep, int(sample.shape[-1]), sample.dtype, 0.0
