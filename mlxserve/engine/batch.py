@@ -11,8 +11,11 @@ step runs one forward for every row without copying the batch. Two forms:
   long context (``fits``).
 * ``RowBatch``: models whose per-layer caches batch as rows (DeepSeek-V4: each
   row's sliding window, compressors and indexer advance at that row's own
-  position; ``LayerCache.rows``). Joining and leaving are list operations and a
-  row's state is always its own single-sequence state; no padding.
+  position; ``LayerCache.rows``). Decode steps stack the rows' caches
+  (``LayerCache.stack``) and keep them stacked across steps, so the attention
+  core runs once for the batch; a joining row is stacked and appended, a
+  leaving one copied out, and before a speculative round every row gets its own
+  single-sequence caches back (slices, no copy).
   ``MTPRowBatch`` brings each row's MTP cache and carried streams up to date
   (in one MTP forward for the steps since the last time) before a row leaves, so
   it can speculate on its own again.
@@ -117,11 +120,20 @@ class CacheBatch:
 
 
 class RowBatch:
-    """Rows whose per-layer caches batch as rows (``cache.rows``): DeepSeek-V4."""
+    """Rows whose per-layer caches batch as rows (``cache.rows``): DeepSeek-V4.
+
+    A decode step stacks the rows' caches (``cache.stack``, where the cache offers
+    it) and keeps them stacked across steps, so the attention core runs once for the
+    batch rather than once per row. Joining rows are stacked onto the batch, leaving
+    ones get their own caches back (copies) while the rest stay stacked; before the
+    rows speculate (several tokens each) they all get their own caches back
+    (``settle``, slices) and the next decode step stacks them again.
+    """
 
     def __init__(self, model: Any, states: list[Any]) -> None:
         self.model = model
         self.states = list(states)
+        self._stacked: list[Any] | None = None  # per layer, while stacked
 
     def __len__(self) -> int:
         return len(self.states)
@@ -130,24 +142,64 @@ class RowBatch:
         return True  # no padding
 
     def join(self, states: list[ModelState]) -> None:
+        if self._stacked is not None:
+            joining = _stack([s.cache for s in states])  # type: ignore[attr-defined]
+            ok = joining is not None and all(
+                mine.compatible(theirs) for mine, theirs in zip(self._stacked, joining, strict=True)
+            )
+            if joining is not None and ok:
+                for mine, theirs in zip(self._stacked, joining, strict=True):
+                    mine.extend(theirs)
+            else:
+                for layer in joining or []:
+                    layer.unstack()
+                self.settle()
         self.states += states
 
     def keep(self, indices: list[int]) -> None:
+        if self._stacked is not None:
+            for layer in self._stacked:
+                layer.take(indices)
         self.states = [self.states[i] for i in indices]
 
     def row_state(self, index: int) -> Any:
+        """Row ``index``'s state, its caches its own (copied out of the stack, if stacked:
+        a row that leaves must not keep the batch's tensors alive)."""
+        for layer in self._stacked or []:
+            layer.write_back(index, own=True)
         return self.states[index]
 
     def nbytes(self) -> int:
         caches = [c for s in self.states for c in (*s.cache, *getattr(s, "mtp_cache", ()))]
+        # While stacked, the rows' own main caches hold nothing: the stacked layers do.
+        caches += self._stacked or []
         return sum(int(getattr(cache, "nbytes", 0)) for cache in caches)
 
     def layer_rows(self, caches: list[list[Any]]) -> list[Any]:
         return [layer[0].rows(list(layer)) for layer in zip(*caches, strict=True)]
 
+    def decode_caches(self) -> list[Any]:
+        """The main caches for a one-token step: stacked when every layer stacks."""
+        if self._stacked is None:
+            self._stacked = _stack([state.cache for state in self.states])
+        if self._stacked is not None:
+            return self._stacked
+        return self.layer_rows([state.cache for state in self.states])
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the rows' main caches are stacked now (between decode steps)."""
+        return self._stacked is not None
+
+    def settle(self) -> None:
+        """Give every row its own caches back (slices of the stacked state)."""
+        if self._stacked is not None:
+            for layer in self._stacked:
+                layer.unstack()
+            self._stacked = None
+
     def step(self, tokens: mx.array) -> mx.array:
-        cache = self.layer_rows([state.cache for state in self.states])
-        logits: mx.array = self.model(tokens[:, None], cache=cache)
+        logits: mx.array = self.model(tokens[:, None], cache=self.decode_caches())
         return logits[:, -1]
 
 
@@ -184,14 +236,12 @@ class MTPRowBatch(RowBatch):
 
     def row_state(self, index: int) -> Any:
         self.flush()
-        return self.states[index]
+        return super().row_state(index)
 
     def step(self, tokens: mx.array) -> mx.array:
         if self._carry is None:
             self._carry = mx.concatenate([s.carry for s in self.states], axis=0)
-        streams = self.model.forward_hidden(
-            tokens[:, None], self.layer_rows([s.cache for s in self.states])
-        )
+        streams = self.model.forward_hidden(tokens[:, None], self.decode_caches())
         self._history.append(self._carry)
         self._fed.append(tokens)
         self._carry = streams[:, -1:]
@@ -244,6 +294,7 @@ class MTPRowBatch(RowBatch):
             )
         ]
         self.flush()
+        self.settle()
         model, states = self.model, self.states
         blocks = model.num_mtp_blocks
         streams = mx.concatenate([s.carry for s in states], axis=0)
@@ -421,6 +472,17 @@ def can_join(batch: DecodeBatch, state: ModelState) -> bool:
             callable(getattr(c, "merge", None)) for c in state.cache
         )
     return False
+
+
+def _stack(caches: list[list[Any]]) -> list[Any] | None:
+    """Every layer of these rows stacked (``cache.stack``), or None when one cannot be
+    (its rows then keep their own caches)."""
+    layers = [list(layer) for layer in zip(*caches, strict=True)]
+    if not all(callable(getattr(layer[0], "stack", None)) for layer in layers):
+        return None
+    if not all(layer[0].can_stack(layer) for layer in layers):
+        return None
+    return [layer[0].stack(layer) for layer in layers]
 
 
 def _rows_capable(caches: list[Any]) -> bool:

@@ -43,14 +43,21 @@ def alone(v4: Module) -> dict[str, list[int]]:
 
 
 def staggered(
-    adapter: ModelAdapter, depth: int | Literal["auto"], **config: Any
+    adapter: ModelAdapter,
+    depth: int | Literal["auto"],
+    stacked: list[bool] | None = None,
+    **config: Any,
 ) -> tuple[dict[str, list[int]], list[Any]]:
-    """Two requests start, two join mid-generation, they leave at different steps."""
+    """Two requests start, two join mid-generation, they leave at different steps.
+
+    ``stacked`` collects, per step, whether a batch's rows were stacked before it."""
     sizes: list[tuple[StepPlan, list[int]]] = []
     engine: Engine
 
     def hook(plan: StepPlan) -> None:
         sizes.append((plan, [len(b.rows) for b in engine.runner.batches]))
+        if stacked is not None:
+            stacked.append(any(getattr(b.state, "stacked", False) for b in engine.runner.batches))
 
     settings = EngineConfig(prefill_step=8, max_running=4, speculative_depth=depth, **config)
     engine = Engine(adapter, settings, before_step=hook)
@@ -73,17 +80,23 @@ def staggered(
 
 
 def test_plain_v4_rows_equal_alone(v4: Module, alone: dict[str, list[int]]) -> None:
-    tokens, sizes = staggered(PlainAdapter(v4), depth=0)
+    """The rows' caches stacked for the decode steps (``stacked.py``), written back and
+    stacked again as rows join and leave; every row's tokens are its own alone."""
+    stacked: list[bool] = []
+    tokens, sizes = staggered(PlainAdapter(v4), depth=0, stacked=stacked)
     assert tokens == alone
     assert max(n for _, batch in sizes for n in batch) >= 3
+    assert sum(stacked) > len(stacked) // 2
 
 
 def test_mtp_rows_decode_together_and_speculate_alone(
     v4: Module, alone: dict[str, list[int]]
 ) -> None:
-    tokens, sizes = staggered(MTPAdapter(v4), depth=3)
+    stacked: list[bool] = []
+    tokens, sizes = staggered(MTPAdapter(v4), depth=3, stacked=stacked)
     assert tokens == alone
     assert max(n for _, batch in sizes for n in batch) >= 3
+    assert any(stacked)
     # Alone at the end ("long" outlives the others), it drafts again.
     assert any(plan.kind == "speculate" for plan, _ in sizes[len(sizes) // 2 :])
 

@@ -13,6 +13,11 @@ inverse rotation at the query position.
 The window and the compressed keys go through one fused SDPA call with a boolean mask.
 For a single decoding query whose indexer picks a subset, the picked entries are
 gathered instead, so decoding cost does not grow with the number of entries.
+
+A batch of sequences comes as ``RowCaches`` (each row's own cache: the core runs row
+by row, any number of tokens) or, for decode steps, as ``StackedRows`` (the rows'
+state in [B, ...] tensors: the core runs once for the batch, each row masked to its
+own window and entries; see ``stacked.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .compressor import Compressor
 from .config import CSA, SLIDING, ModelArgs
 from .indexer import Indexer, visible_entries
 from .rope import PartialRoPE
+from .stacked import StackedRows
 
 
 def window_mask(start: int, length: int, previous: int, window: int) -> mx.array:
@@ -100,13 +106,25 @@ class Attention(Module):
             states["indexer"] = self.indexer.compressor.make_state()
         return LayerCache(self.sliding_window, states, max_rollback=max_rollback)
 
-    def __call__(self, x: mx.array, cache: LayerCache | RowCaches) -> mx.array:
+    def __call__(self, x: mx.array, cache: LayerCache | RowCaches | StackedRows) -> mx.array:
         batch, length, _ = x.shape
         q_residual = self.q_norm(self.wq_a(x))
         q = self.wq_b(q_residual).reshape(batch, length, self.num_heads, self.head_dim)
         q = mx.fast.rms_norm(q, None, self.eps).swapaxes(1, 2)  # [B, H, S, D]
         kv = self.norm(self.wkv(x))  # [B, S, D]
-        if isinstance(cache, RowCaches):
+        if isinstance(cache, StackedRows):
+            # One token per row: the whole batch's core at once (see ``stacked.py``).
+            if length != 1 or len(cache) != batch:
+                raise ValueError(
+                    f"stacked rows take one token for each of their {len(cache)} rows; "
+                    f"got {batch} rows of {length}"
+                )
+            offsets = mx.array(cache.offsets)
+            q = self.rope(q, offset=offsets)
+            kv = self.rope(kv, offset=offsets)
+            attended = self._attend_stacked(x, q_residual, q, kv, cache, offsets)
+            out = self.rope(attended, offset=offsets, inverse=True).swapaxes(1, 2)
+        elif isinstance(cache, RowCaches):
             # Each row at its own position: the cache-dependent core row by row; the
             # projections and rotations (at per-row offsets) once for the whole batch.
             assert len(cache.rows) == batch
@@ -160,6 +178,47 @@ class Attention(Module):
             keys[:, None],
             scale=self.head_dim**-0.5,
             mask=None if mask is None else mask[:, None],
+            sinks=self.attn_sink.astype(q.dtype),
+        )
+        return out
+
+    def _attend_stacked(
+        self,
+        x: mx.array,
+        q_residual: mx.array,
+        q: mx.array,
+        kv: mx.array,
+        cache: StackedRows,
+        offsets: mx.array,
+    ) -> mx.array:
+        """``_attend`` for stacked rows, one query each: one SDPA for the batch, each row
+        masked to its own window and entries."""
+        keys, mask = cache.update_window(kv)
+        if self.layer_type != SLIDING:
+            starts = cache.offsets
+            entries, valid = self.compressor.step_stacked(
+                x, cache.compressors["compressor"], starts, self.rope
+            )
+            picked = None
+            if self.layer_type == CSA:
+                picked = self.indexer.select_stacked(
+                    x, q_residual, cache.compressors["indexer"], starts, offsets, self.rope
+                )
+            if entries is not None:
+                if picked is not None:
+                    chosen, valid = picked
+                    entries = mx.take_along_axis(entries, chosen[..., None], axis=1)
+                keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+                if mask is None:
+                    mask = mx.ones((keys.shape[0], self.sliding_window), dtype=mx.bool_)
+                mask = mx.concatenate([mask, valid], axis=-1)
+        cache.advance()
+        out: mx.array = mx.fast.scaled_dot_product_attention(
+            q,
+            keys[:, None],
+            keys[:, None],
+            scale=self.head_dim**-0.5,
+            mask=None if mask is None else mask[:, None, None],
             sinks=self.attn_sink.astype(q.dtype),
         )
         return out

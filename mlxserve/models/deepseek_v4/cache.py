@@ -20,8 +20,13 @@ next call re-emit them. ``is_trimmable()`` is true only with a margin.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
+
+if TYPE_CHECKING:
+    from .stacked import StackedRows
 
 
 def _append(cached: mx.array | None, new: mx.array) -> mx.array:
@@ -183,6 +188,23 @@ class LayerCache(_BaseCache):
         """Several sequences' caches of this layer, for one batched forward."""
         return RowCaches(caches)
 
+    @classmethod
+    def can_stack(cls, caches: list[LayerCache]) -> bool:
+        """Whether ``stack`` takes these caches (decoding rows of one layer kind)."""
+        from .stacked import StackedRows  # stacked.py builds on this module
+
+        return StackedRows.can_stack(caches)
+
+    @classmethod
+    def stack(cls, caches: list[LayerCache]) -> StackedRows:
+        """Several decoding sequences' caches of this layer stacked for one-token steps
+        (``stacked.py``); they hold nothing of their own until written back."""
+        from .stacked import StackedRows
+
+        if not StackedRows.can_stack(caches):
+            raise ValueError("these caches do not stack (a row without a window?)")
+        return StackedRows(caches)
+
 
 class RowCaches:
     """The caches of one layer for a batch of sequences, each at its own offset.
@@ -192,7 +214,10 @@ class RowCaches:
     window, the entries and the indexer's picks all depend on the row's own position.
     So each row keeps its own ``LayerCache``; the attention runs the cache-dependent
     part row by row and everything else (projections, MoE, head) once for the batch.
-    Rows join and leave a batch by list operations: no cache is copied.
+    Rows join and leave a batch by list operations: no cache is copied. This is the
+    form for several tokens per row (speculative verify); one-token decode steps
+    stack the rows instead (``LayerCache.stack``), which pads and masks them so the
+    core runs once for the batch.
     """
 
     def __init__(self, rows: list[LayerCache]) -> None:

@@ -21,6 +21,7 @@ from mlx.nn.layers.normalization import RMSNorm
 
 from .cache import CompressorState
 from .rope import PartialRoPE
+from .stacked import StackedCompressor
 
 
 class Compressor(Module):
@@ -55,25 +56,47 @@ class Compressor(Module):
             state.append_entries(rope(self.norm(pooled), offset=first, scale=self.ratio))
         return state.entries
 
+    def step_stacked(
+        self, x: mx.array, state: StackedCompressor, starts: list[int], rope: PartialRoPE
+    ) -> tuple[mx.array | None, mx.array]:
+        """One token per row (``x`` [B, 1, hidden], row ``b`` at position ``starts[b]``);
+        returns every row's entries [B, capacity, head_dim] and their mask [B, capacity].
+
+        The rows that close an entry now are pooled in one batched computation, only on
+        steps where some row closes one; the other steps append the raw rows alone.
+        """
+        state.push(self.wkv(x), self.wgate(x))
+        closing = [(start + 1) % self.ratio == 0 for start in starts]
+        if any(closing):
+            pooled = self._pool_rows(*state.window())  # [B, 1, head_dim]
+            first = mx.array(state.counts, dtype=mx.int32)
+            state.write(rope(self.norm(pooled), offset=first, scale=self.ratio), closing)
+        return state.entries, state.valid()
+
     def _pool(self, state: CompressorState, first: int, closed: int) -> mx.array:
         """Pool windows ``first .. closed - 1`` into [B, n, head_dim]."""
         ratio, dim = self.ratio, self.head_dim
-        n = closed - first
         if not self.overlap:
-            kv, gate = state.raw_rows(first * ratio, closed * ratio)
-            kv = kv.reshape(kv.shape[0], n, ratio, -1)
-            gate = gate.reshape(gate.shape[0], n, ratio, -1) + self.ape
-            return mx.sum(kv * mx.softmax(gate, axis=2, precise=True), axis=2)
-
+            return self._pool_rows(*state.raw_rows(first * ratio, closed * ratio))
         # The rows of windows first-1 .. closed-1: window w reads Ca of w-1 and Cb of w.
         kv, gate = state.raw_rows(max(first - 1, 0) * ratio, closed * ratio)
-        batch = kv.shape[0]
-        kv = kv.reshape(batch, -1, ratio, 2 * dim)
-        gate = gate.reshape(batch, -1, ratio, 2 * dim) + self.ape
         if first == 0:
-            empty = mx.zeros((batch, 1, ratio, 2 * dim), dtype=kv.dtype)
+            batch = kv.shape[0]
+            empty = mx.zeros((batch, ratio, 2 * dim), dtype=kv.dtype)
             kv = mx.concatenate([empty, kv], axis=1)
             gate = mx.concatenate([mx.full(empty.shape, -mx.inf, dtype=gate.dtype), gate], axis=1)
+        return self._pool_rows(kv, gate)
+
+    def _pool_rows(self, kv: mx.array, gate: mx.array) -> mx.array:
+        """Pool consecutive windows of raw rows [B, m * ratio, width] into [B, n, head_dim]:
+        ``n = m`` without overlap, ``n = m - 1`` with (window ``w`` reads Ca of the rows
+        before it and Cb of its own)."""
+        ratio, dim = self.ratio, self.head_dim
+        batch = kv.shape[0]
+        kv = kv.reshape(batch, -1, ratio, kv.shape[-1])
+        gate = gate.reshape(batch, -1, ratio, gate.shape[-1]) + self.ape
+        if not self.overlap:
+            return mx.sum(kv * mx.softmax(gate, axis=2, precise=True), axis=2)
         slots_kv = mx.concatenate([kv[:, :-1, :, :dim], kv[:, 1:, :, dim:]], axis=2)
         slots_gate = mx.concatenate([gate[:, :-1, :, :dim], gate[:, 1:, :, dim:]], axis=2)
         return mx.sum(slots_kv * mx.softmax(slots_gate, axis=2, precise=True), axis=2)

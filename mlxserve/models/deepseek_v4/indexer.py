@@ -18,6 +18,7 @@ from .cache import CompressorState
 from .compressor import Compressor
 from .config import CSA, ModelArgs
 from .rope import PartialRoPE
+from .stacked import StackedCompressor
 
 
 def visible_entries(start: int, length: int, ratio: int) -> mx.array:
@@ -57,17 +58,54 @@ class Indexer(Module):
         keys = self.compressor(x, state, start, rope)
         if keys is None or keys.shape[1] <= self.index_topk:
             return None
+        scores = self._scores(x, q_residual, keys, start, rope)  # [B, S, N]
+        visible = visible_entries(start, x.shape[1], self.ratio)
+        scores = mx.where(mx.arange(keys.shape[1])[None, :] < visible, scores, -mx.inf)
+        chosen = self._top(scores)
+        return mx.where(chosen < visible, chosen, -1)
+
+    def select_stacked(
+        self,
+        x: mx.array,
+        q_residual: mx.array,
+        state: StackedCompressor,
+        starts: list[int],
+        offsets: mx.array,
+        rope: PartialRoPE,
+    ) -> tuple[mx.array, mx.array] | None:
+        """``__call__`` for stacked rows, one token each (``offsets`` [B]: ``starts``).
+
+        Returns the picked entry ids [B, k] and whether each is a real entry of its row
+        (rows hold different numbers of entries; the padding scores ``-inf``), or
+        ``None`` when the capacity is within ``index_topk``: every entry is picked.
+        """
+        keys, valid = self.compressor.step_stacked(x, state, starts, rope)
+        if keys is None or keys.shape[1] <= self.index_topk:
+            return None
+        scores = self._scores(x, q_residual, keys, offsets, rope)[:, 0]  # [B, N]
+        chosen = self._top(mx.where(valid, scores, -mx.inf))
+        return chosen, mx.take_along_axis(valid, chosen, axis=-1)
+
+    def _scores(
+        self,
+        x: mx.array,
+        q_residual: mx.array,
+        keys: mx.array,
+        offset: int | mx.array,
+        rope: PartialRoPE,
+    ) -> mx.array:
+        """Every query's score of every entry: [B, S, N]."""
         batch, length, _ = x.shape
         q = self.wq_b(q_residual).reshape(batch, length, self.num_heads, self.head_dim)
-        q = rope(q.swapaxes(1, 2), offset=start).astype(mx.float32)  # [B, H, S, d]
+        q = rope(q.swapaxes(1, 2), offset=offset).astype(mx.float32)  # [B, H, S, d]
         scores = q @ keys.astype(mx.float32)[:, None].swapaxes(-1, -2)  # [B, H, S, N]
         scores = mx.maximum(scores, 0.0) * (self.head_dim**-0.5)
         weights = self.weights_proj(x).astype(mx.float32) * (self.num_heads**-0.5)  # [B, S, H]
-        scores = mx.sum(scores * weights.swapaxes(1, 2)[..., None], axis=1)  # [B, S, N]
-        visible = visible_entries(start, length, self.ratio)
-        scores = mx.where(mx.arange(keys.shape[1])[None, :] < visible, scores, -mx.inf)
+        return mx.sum(scores * weights.swapaxes(1, 2)[..., None], axis=1)
+
+    def _top(self, scores: mx.array) -> mx.array:
+        """The ids of the ``index_topk`` best scores on the last axis."""
         k = self.index_topk
         chosen = mx.argpartition(-scores, k - 1, axis=-1)[..., :k].astype(mx.int32)
         # A discrete selection: no gradient through it (the indexer is not trained here).
-        chosen = mx.stop_gradient(chosen)
-        return mx.where(chosen < visible, chosen, -1)
+        return mx.stop_gradient(chosen)

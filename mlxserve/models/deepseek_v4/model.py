@@ -34,6 +34,10 @@ from .moe import MoE
 from .mtp import mtp_forward
 from .sanitize import check_weights, mtp_block_count, sanitize_weights
 from .sharding import shard_model
+from .stacked import StackedRows
+
+#: what a layer's forward takes: one sequence's cache, or a batch's rows
+AnyCache = LayerCache | RowCaches | StackedRows
 
 
 class DecoderLayer(Module):
@@ -50,9 +54,7 @@ class DecoderLayer(Module):
         self.hc_attn = HyperConnection(args)  # type: ignore[arg-type]
         self.hc_ffn = HyperConnection(args)  # type: ignore[arg-type]
 
-    def __call__(
-        self, streams: mx.array, token_ids: mx.array, cache: LayerCache | RowCaches
-    ) -> mx.array:
+    def __call__(self, streams: mx.array, token_ids: mx.array, cache: AnyCache) -> mx.array:
         # V4 computes each block's collapse weights from the streams entering *that* block.
         pre, post, comb = self.hc_attn(streams)
         h = self.attn(self.attn_norm(collapse(streams, pre)), cache)
@@ -79,9 +81,7 @@ class MTPBlock(DecoderLayer):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
 
-    def decode(
-        self, streams: mx.array, token_ids: mx.array, cache: LayerCache | RowCaches
-    ) -> mx.array:
+    def decode(self, streams: mx.array, token_ids: mx.array, cache: AnyCache) -> mx.array:
         """The block's decoder layer on its input streams [B, S, hc, D]."""
         return DecoderLayer.__call__(self, streams, token_ids, cache)
 
@@ -101,7 +101,7 @@ class TextModel(Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
 
-    def streams(self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches]) -> mx.array:
+    def streams(self, inputs: mx.array, cache: Sequence[AnyCache]) -> mx.array:
         h = self.embed_tokens(inputs)
         batch, length, dim = h.shape
         streams = mx.broadcast_to(h[:, :, None, :], (batch, length, self.hc_mult, dim))
@@ -122,14 +122,10 @@ class Model(Module):
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp: list[MTPBlock] = []
 
-    def __call__(
-        self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches] | None = None
-    ) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: Sequence[AnyCache] | None = None) -> mx.array:
         return self.head_from_streams(self.forward_hidden(inputs, cache))
 
-    def forward_hidden(
-        self, inputs: mx.array, cache: Sequence[LayerCache | RowCaches] | None = None
-    ) -> mx.array:
+    def forward_hidden(self, inputs: mx.array, cache: Sequence[AnyCache] | None = None) -> mx.array:
         """Residual streams [B, S, hc_mult, D] after the last layer, before ``hc_head``.
 
         Without ``cache`` a throw-away one is used, so the result is the same as a
@@ -170,7 +166,7 @@ class Model(Module):
         self,
         streams: mx.array,
         next_tokens: mx.array,
-        cache: LayerCache | RowCaches,
+        cache: AnyCache,
         block: int = 0,
     ) -> tuple[mx.array, mx.array]:
         """MTP block ``block``: ``(logits for t + 2, out_streams)``; see ``mtp.mtp_forward``."""

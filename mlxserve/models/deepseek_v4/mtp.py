@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .cache import LayerCache, RowCaches
+from .stacked import StackedRows
 
 if TYPE_CHECKING:
     from .model import Model
@@ -46,7 +47,7 @@ def mtp_forward(
     model: Model,
     streams: mx.array,
     next_tokens: mx.array,
-    cache: LayerCache | RowCaches,
+    cache: LayerCache | RowCaches | StackedRows,
     block: int = 0,
 ) -> tuple[mx.array, mx.array]:
     """Run MTP block ``block`` on streams [B, S, hc, D] and the tokens that follow them.
@@ -64,7 +65,7 @@ def mtp_forward(
     mtp = model.mtp[block]
     length = next_tokens.shape[1]
     embedded = model.model.embed_tokens(next_tokens)
-    offsets = cache.offsets if isinstance(cache, RowCaches) else [cache.offset]
+    offsets = cache.offsets if isinstance(cache, RowCaches | StackedRows) else [cache.offset]
     if 0 in offsets:
         # Only the first call of a sequence can contain absolute position 0.
         at_zero = mx.array([offset == 0 for offset in offsets])[:, None, None]
