@@ -8,10 +8,6 @@ with exit 75 within the progress timeout + 2 s of the hang, each dumping its
 stacks.
 """
 
-import json
-import signal
-import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -19,8 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ring import free_ports
-from tests.server.live import REPO, LiveServer
+from tests.ring import served_by_two_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -45,21 +40,7 @@ def logged_at(line: str) -> float:
 
 
 def test_follower_stuck_in_a_collective_exits_75_like_rank_0(tmp_path: Path) -> None:
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
-    cluster = {"MLX_HOSTFILE": str(hostfile), "OMP_NUM_THREADS": "1"}
-    front = LiveServer(tmp_path, CONFIG, env={**cluster, "MLX_RANK": "0"})
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "mlxserve", "--config", str(front.config)],
-        cwd=REPO,
-        env={**front.env, **cluster, "MLX_RANK": "1"},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        front.start(timeout=180)
+    with served_by_two_ranks(tmp_path, CONFIG) as (front, follower):
         body = {
             "model": "demo",
             "messages": [{"role": "user", "content": "Python reference: for"}],
@@ -88,10 +69,3 @@ def test_follower_stuck_in_a_collective_exits_75_like_rank_0(tmp_path: Path) -> 
         assert exits, front.tail()
         assert exits[0]["at"] - hung_at <= PROGRESS_TIMEOUT_S + 2.0, (exits, hang)
         assert follower_gone - hung_at <= PROGRESS_TIMEOUT_S + 2.0, (follower_gone, hang)
-    finally:
-        front.stop(signal.SIGTERM, timeout=30)
-        if follower.poll() is None:
-            follower.kill()
-            follower.communicate()
-        elif follower.stderr is not None and not follower.stderr.closed:
-            follower.stderr.close()
