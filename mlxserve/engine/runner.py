@@ -244,6 +244,8 @@ class Runner:
         for index, sequence in enumerate(rows):
             if emits is None or emits[index]:
                 emitted[sequence.request_id] = [int(values[index])]  # type: ignore[arg-type]
+            if sequence.depth > 0:  # a speculative request's plain step, for depths_chosen
+                sequence.stats.count_step(0)
         batch.tokens = following
 
     @staticmethod
