@@ -53,8 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -65,6 +63,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 
+from mlxserve.hardware.probe import benchmark_device
 from mlxserve.kernels.moe import ROW_TILE, QuantizedExperts, takes_row_tiles
 from mlxserve.kernels.switch import FullComputeSwitchLinear
 from mlxserve.kernels.tiles import ExpertTiles, forget_tiles
@@ -415,27 +414,6 @@ def predict_seconds(
     return cfg.gflop / gflops * scale * (repeats + 1)
 
 
-def device_facts() -> dict[str, Any]:
-    """Which device and MLX build the numbers come from."""
-    info = {str(k): v for k, v in mx.device_info().items() if isinstance(v, str | int | float)}
-    cuda = getattr(mx, "cuda", None)
-    backend = "cpu"
-    if cuda is not None and cuda.is_available():
-        backend = "cuda"
-    elif mx.metal.is_available():
-        backend = "metal"
-    return {
-        "mlx": mx.__version__,
-        "backend": backend,
-        "device": str(mx.default_device()),
-        "device_info": info,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "ld_preload": os.environ.get("LD_PRELOAD"),
-    }
-
-
 def run_isolated(cfg: Config, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """One configuration in a fresh process: a crash that takes the process (or leaves
     the device unusable) is recorded against this configuration only."""
@@ -520,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), file=sys.stderr, flush=True)
     failures = [f for result in results for f in result.get("failures", [])]
     document = {
-        **device_facts(),
+        "device": benchmark_device(),
         "sweep": "configs" if args.configs else ("full" if args.full else "quick"),
         "isolated": args.isolate,
         "dtype": args.dtype,

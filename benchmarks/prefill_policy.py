@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -37,7 +35,7 @@ import mlx.core as mx
 
 from mlxserve.cluster.composition import Cluster
 from mlxserve.commands.calibrate import calibrate, expert_shapes
-from mlxserve.hardware.probe import probe_local
+from mlxserve.hardware.probe import benchmark_device, probe_local
 from mlxserve.kernels.apply import swap_switch_layers
 from mlxserve.kernels.moe import MoeVariant
 from mlxserve.kernels.tiles import forget_tiles
@@ -142,25 +140,6 @@ def error_text(exc: Exception) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
-def device_facts() -> dict[str, Any]:
-    info = {str(k): v for k, v in mx.device_info().items() if isinstance(v, str | int | float)}
-    cuda = getattr(mx, "cuda", None)
-    backend = "cpu"
-    if cuda is not None and cuda.is_available():
-        backend = "cuda"
-    elif mx.metal.is_available():
-        backend = "metal"
-    return {
-        "mlx": mx.__version__,
-        "backend": backend,
-        "device": str(mx.default_device()),
-        "device_info": info,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=["flash", "tiny"], default="flash")
@@ -258,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     swap_switch_layers(model, STOCK)
     same_tokens = len({tuple(t) for t in tokens.values()}) == 1 and len(tokens) == len(distinct)
     document = {
-        **device_facts(),
+        "device": benchmark_device(),
         "model": {
             "size": args.size,
             "layers": args.layers,

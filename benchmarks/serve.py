@@ -45,6 +45,8 @@ from typing import Any
 
 import httpx
 
+from mlxserve.hardware.probe import benchmark_device_apart
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Python reference: the for statement. Explain how iteration works, with an example."
 
@@ -303,28 +305,6 @@ def memory_ratio(results: list[dict[str, Any]], clients: int) -> dict[str, Any] 
     }
 
 
-def machine() -> dict[str, Any]:
-    """Where MLX runs in this environment (the servers run with the same Python)."""
-    probe = (
-        "import json, platform, mlx.core as mx; "
-        "info = {k: v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}; "
-        "print(json.dumps({'mlx': mx.__version__, 'device': str(mx.default_device()), "
-        "'device_info': info, 'cuda': mx.cuda.is_available(), "
-        "'python': platform.python_version()}))"
-    )
-    found = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False
-    )
-    out: dict[str, Any] = {"cpus": os.cpu_count(), "platform": sys.platform}
-    try:
-        out.update(json.loads(found.stdout))
-    except json.JSONDecodeError:
-        out["probe_error"] = found.stderr[-500:]
-    blas = os.environ.get("LD_PRELOAD", "")
-    out["ld_preload"] = blas or None
-    return out
-
-
 def build_tiny_llama(out_dir: Path) -> Path:
     import shutil
 
@@ -366,7 +346,7 @@ def main() -> int:
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
     report: dict[str, Any] = {
-        "machine": machine(),
+        "machine": benchmark_device_apart(),
         "settings": {
             "levels": levels,
             "requests_per_client": args.requests,

@@ -30,7 +30,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import random
 import signal
 import subprocess
@@ -43,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from mlxserve.hardware.probe import benchmark_device_apart
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "demo"
@@ -325,7 +326,7 @@ def soak(minutes: float, every_s: float, group: bool, seed: int) -> dict[str, An
     known = [mb for _, mb in memory if mb is not None]
     return {
         "benchmark": "soak",
-        "device": f"{platform.system()} {platform.machine()} (cpu)",
+        "device": benchmark_device_apart(),
         "primary": "group of 2 ring ranks" if group else "engine",
         "minutes": round(elapsed / 60, 2),
         "rounds": rounds,

@@ -43,16 +43,24 @@ def run_follower(settings: Settings) -> int:
     from mlxserve.engine.lockstep import Diverged, follow
     from mlxserve.engine.process import configure_logging
     from mlxserve.policy.build import build_plan
+    from mlxserve.reliability.faults import FaultInjector, Faults, active_faults
     from mlxserve.reliability.watchdog import Watchdog
 
     configure_logging()
     _FirstSignalWaits().install()
+    try:  # read here, at rank start: a test's follower-only stall (never in production)
+        hang_at = active_faults().follower_hang_at_step
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     plan, membership = build_plan(settings)
     plan.ensure_startable()
     group = membership.group
     if group is None or membership.rank == 0:
         raise UsageError("a follower runs on a rank other than 0 of a distributed group")
     engine, _ = build_engine(settings, plan, membership.rank, group)
+    if hang_at is not None:
+        log.warning("FAULT INJECTION ARMED (tests only): this follower hangs at step %d", hang_at)
+        engine.before_step = FaultInjector(Faults(hang_at_step=hang_at))
     log.info(
         "rank %d of %d: plan %s; following rank 0",
         membership.rank,

@@ -5,12 +5,45 @@ the front process, so they carry only ids, numbers and strings.
 """
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 MAX_TOP_LOGPROBS = 20
+
+
+class SamplingFields(Protocol):
+    """The sampling fields beyond temperature, top_p and seed, wherever they travel
+    (the engine's `SamplingParams`, a backend's `GenerationParams`)."""
+
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def logprobs(self) -> int | None: ...
+
+
+def only_temperature_top_p(fields: SamplingFields) -> bool:
+    """No field beyond temperature, top_p and seed asks for anything."""
+    return (
+        fields.top_k == 0
+        and fields.min_p == 0
+        and fields.presence_penalty == 0
+        and fields.frequency_penalty == 0
+        and fields.repetition_penalty == 1
+        and not fields.logit_bias
+        and fields.logprobs is None
+    )
 
 
 @dataclass(frozen=True)
@@ -54,15 +87,7 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Only temperature and top_p: what batched and speculative decoding implement."""
-        return (
-            self.top_k == 0
-            and self.min_p == 0
-            and self.presence_penalty == 0
-            and self.frequency_penalty == 0
-            and self.repetition_penalty == 1
-            and not self.logit_bias
-            and self.logprobs is None
-        )
+        return only_temperature_top_p(self)
 
 
 @dataclass(frozen=True)

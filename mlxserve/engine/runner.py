@@ -254,6 +254,8 @@ class Runner:
                 emitted[sequence.request_id] = [chosen[index]]
             elif emits is None or emits[index]:
                 emitted[sequence.request_id] = [int(values[index])]  # type: ignore[arg-type]
+            if sequence.depth > 0:  # a speculative request's plain step, for depths_chosen
+                sequence.stats.count_step(0)
         batch.tokens = following
 
     @staticmethod

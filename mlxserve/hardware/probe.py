@@ -1,10 +1,14 @@
 """Probe the machine this rank runs on."""
 
+import json
 import os
 import platform
 import socket
 import subprocess
+import sys
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
 
 from mlxserve.hardware.profile import DeviceType, RankProfile
 
@@ -94,9 +98,10 @@ def usable_memory_bytes() -> int:
     return int(limit or _physical_memory())
 
 
-def benchmark_device() -> dict[str, str]:
+def benchmark_device() -> dict[str, Any]:
     """What a benchmark's JSON records about where it ran, so figures from a CPU, a Mac
-    and an NVIDIA GPU are never mixed up (and whether a faster BLAS was preloaded)."""
+    and an NVIDIA GPU are never mixed up (and whether a faster BLAS was preloaded).
+    Imports MLX, so call it only when needed."""
     import mlx.core as mx
 
     info = {str(k): v for k, v in mx.device_info().items()}
@@ -104,10 +109,39 @@ def benchmark_device() -> dict[str, str]:
         "device": str(mx.default_device()),
         "device_type": _device_type(mx),
         "device_name": str(info.get("device_name") or info.get("architecture") or ""),
+        "device_info": {k: v for k, v in info.items() if isinstance(v, str | int | float)},
         "chip": _chip_name(platform.system() == "Darwin"),
         "mlx": package_version("mlx"),
         "mlx_lm": package_version("mlx-lm"),
         "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
+
+
+def benchmark_device_apart(timeout: float = 120.0) -> dict[str, Any]:
+    """`benchmark_device` as a fresh process of this Python sees it: for a benchmark
+    that drives servers (which run with the same Python) and should hold no MLX
+    device of its own. A probe that fails is recorded as ``probe_error``."""
+    root = str(Path(__file__).resolve().parents[2])  # the child imports this mlxserve
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    code = "import json; from mlxserve.hardware.probe import benchmark_device as d; "
+    code += "print(json.dumps(d()))"
+    try:
+        found = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=dict(os.environ, PYTHONPATH=path),
+        )
+    except subprocess.TimeoutExpired:
+        return {"probe_error": f"no answer in {timeout:.0f} s"}
+    try:
+        device: dict[str, Any] = json.loads(found.stdout)
+    except json.JSONDecodeError:
+        return {"probe_error": found.stderr[-500:]}
+    return device

@@ -4,7 +4,8 @@ Failover is only as good as its tests, and the failures it handles (a wedged
 collective, a dead rank, a failing kernel) cannot be produced on demand. These
 switches produce their observable effects at a precise step instead. They are
 read from the environment in exactly one place, `active_faults`, and armed
-only by the engine process (`mlxserve.engine.process`), which logs a warning
+only by the engine process (`mlxserve.engine.process`) and, for the one meant
+for them, by a follower rank (`mlxserve.engine.follower`), each logging a warning
 when any is set. Unset variables mean no fault; production never sets them.
 
 "Step N" is the N-th step plan this process executes (`StepPlan.index`,
@@ -19,6 +20,11 @@ Variables (each a positive integer step index):
   (`os._exit`, no cleanup), like a rank killed by the OS.
 - ``MLXSERVE_FAULT_RAISE_AT_STEP=N``: step N raises `InjectedFault`; the engine
   fails that step's requests with finish_reason "error" and keeps serving.
+- ``MLXSERVE_FAULT_FOLLOWER_HANG_AT_STEP=N``: on a follower rank only (rank 0's
+  engine ignores it), step N blocks forever before its forward, while rank 0
+  waits in that step's collective. Unlike a hang of rank 0, which leaves the
+  followers blocked in a collective (that rank 0's exit may break first), this
+  stall only the follower's own watchdog can end: exit 75, every time.
 
 In-process tests use `override_faults(...)` instead of the environment.
 """
@@ -50,6 +56,7 @@ class Faults:
     hang_at_step: int | None = None
     crash_at_step: int | None = None
     raise_at_step: int | None = None
+    follower_hang_at_step: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in self.items():

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from mlxserve.server.errors import InvalidRequest, from_validation_error
-from mlxserve.server.protocol import ChatCompletionRequest
+from mlxserve.server.errors import InvalidRequest
+from mlxserve.server.protocol import ChatCompletionRequest, function_tool, translated_chat
 
 
 class _Strict(BaseModel):
@@ -148,15 +148,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest
     chat: dict[str, Any] = {"model": body.model, "messages": messages}
     if body.tools:
         chat["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.input_schema,
-                },
-            }
-            for tool in body.tools
+            function_tool(tool.name, tool.description, tool.input_schema) for tool in body.tools
         ]
     choice = body.tool_choice
     if choice is not None:
@@ -186,10 +178,7 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest
                 chat[key] = getattr(body, key)
         if body.stop_sequences:
             chat["stop"] = body.stop_sequences
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+    return translated_chat(chat)
 
 
 def _turn(index: int, message: Message) -> list[dict[str, Any]]:

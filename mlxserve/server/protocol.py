@@ -8,7 +8,9 @@ Nested objects (messages, tools) stay lenient: clients echo back whole objects.
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from mlxserve.server.errors import from_validation_error
 
 MAX_STOP_STRINGS = 16
 SEED_RANGE = 1 << 63
@@ -358,3 +360,18 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+def function_tool(name: str, description: str | None, parameters: Any) -> dict[str, Any]:
+    """A ``tools`` entry of the chat request that another API's tool becomes."""
+    function = {"name": name, "description": description, "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def translated_chat(chat: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's request was translated to (Messages, Responses);
+    what it cannot be is a 400 naming the field."""
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from mlxserve.server.errors import InvalidRequest, from_validation_error
-from mlxserve.server.protocol import SEED_RANGE, ChatCompletionRequest
+from mlxserve.server.errors import InvalidRequest
+from mlxserve.server.protocol import (
+    SEED_RANGE,
+    ChatCompletionRequest,
+    function_tool,
+    translated_chat,
+)
 
 
 class _Strict(BaseModel):
@@ -155,15 +160,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     chat: dict[str, Any] = {"model": body.model, "messages": messages}
     if body.tools:
         chat["tools"] = [
-            {
-                "type": "function",
-                "function": {
-                    "name": tool.name,
-                    "description": tool.description,
-                    "parameters": tool.parameters,
-                },
-            }
-            for tool in body.tools
+            function_tool(tool.name, tool.description, tool.parameters) for tool in body.tools
         ]
     choice = body.tool_choice
     if isinstance(choice, NamedFunctionChoice):
@@ -191,7 +188,4 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     ):
         if value is not None:
             chat[key] = value
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        raise from_validation_error(exc) from None
+    return translated_chat(chat)

@@ -11,13 +11,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from mlxserve.cluster.launch import group_status
-from tests.ring import free_ports
+from tests.ring import held_ports
 from tests.server.live import REPO
 
 CONFIG = """
@@ -35,14 +36,21 @@ def test_group_status() -> None:
     assert group_status({0: 1, 1: 2}) == 1
 
 
+@pytest.fixture
+def starting_port() -> Iterator[int]:
+    """mlx.launch's ring ranks bind the starting port and the next: both held till the end."""
+    with held_ports(2, consecutive=True) as ports:
+        yield ports[0]
+
+
 @pytest.mark.slow
-def test_ctrl_c_on_the_process_group_drains_and_exits_0(tmp_path: Path) -> None:
+def test_ctrl_c_on_the_process_group_drains_and_exits_0(tmp_path: Path, starting_port: int) -> None:
     config = tmp_path / "config.toml"
     config.write_text(CONFIG)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXSERVE_")}
     env.update(OMP_NUM_THREADS="1", MLXSERVE_SERVER__STATE_DIR=str(tmp_path / "state"))
     command = [sys.executable, "-m", "mlxserve.cluster.launch", "--backend", "ring"]
-    command += ["--hosts", "127.0.0.1,127.0.0.1", "--starting-port", str(free_ports(1)[0])]
+    command += ["--hosts", "127.0.0.1,127.0.0.1", "--starting-port", str(starting_port)]
     command += ["--", sys.executable, "-m", "mlxserve", "--config", str(config)]
     launcher = subprocess.Popen(
         command,

@@ -16,7 +16,7 @@ from mlxserve.engine.adapter import ModelAdapter, PlainAdapter
 from mlxserve.engine.batch import MTPRowBatch, RowBatch
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter
-from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.engine.request import FinishEvent, GenerationRequest, SamplingParams
 from mlxserve.engine.step_plan import StepPlan
 from tests.engine.drive import collect, run
 from tests.engine.test_speculative import plain_greedy
@@ -46,11 +46,13 @@ def staggered(
     adapter: ModelAdapter,
     depth: int | Literal["auto"],
     stacked: list[bool] | None = None,
+    finishes: dict[str, FinishEvent] | None = None,
     **config: Any,
 ) -> tuple[dict[str, list[int]], list[Any]]:
     """Two requests start, two join mid-generation, they leave at different steps.
 
-    ``stacked`` collects, per step, whether a batch's rows were stacked before it."""
+    ``stacked`` collects, per step, whether a batch's rows were stacked before it;
+    ``finishes`` the requests' finish events, when given."""
     sizes: list[tuple[StepPlan, list[int]]] = []
     engine: Engine
 
@@ -75,6 +77,8 @@ def staggered(
         got, finish = collect(stream)
         assert finish.finish_reason == "length"
         tokens[stream.request_id] = got
+        if finishes is not None:
+            finishes[stream.request_id] = finish
     assert not engine.runner.batches
     return tokens, sizes
 
@@ -93,12 +97,22 @@ def test_mtp_rows_decode_together_and_speculate_alone(
     v4: Module, alone: dict[str, list[int]]
 ) -> None:
     stacked: list[bool] = []
-    tokens, sizes = staggered(MTPAdapter(v4), depth=3, stacked=stacked)
+    finishes: dict[str, FinishEvent] = {}
+    tokens, sizes = staggered(MTPAdapter(v4), depth=3, stacked=stacked, finishes=finishes)
     assert tokens == alone
     assert max(n for _, batch in sizes for n in batch) >= 3
     assert any(stacked)
     # Alone at the end ("long" outlives the others), it drafts again.
     assert any(plan.kind == "speculate" for plan, _ in sizes[len(sizes) // 2 :])
+    # Every decode step after the first token (taken plainly before any drafting) is
+    # a plain step in the batch: depths_chosen (and the depth metric) count it at 0.
+    for rid, finish in finishes.items():
+        assert finish.speculative is not None
+        decodes = sum(rid in plan.request_ids for plan, _ in sizes if plan.kind == "decode")
+        chosen = finish.speculative["depths_chosen"]
+        assert isinstance(chosen, dict) and chosen.get("0") == decodes - 1, (rid, chosen)
+        if rid != "long":  # the others never leave the batch
+            assert chosen == {"0": decodes - 1}, (rid, chosen)
 
 
 @pytest.mark.parametrize("batch_depth", [1, 3])

@@ -81,7 +81,8 @@ _TOP = {
     "model.hc_head.hc_base": "hc_head_base",
     "model.hc_head.hc_scale": "hc_head_scale",
 }
-_RENAMES = (
+#: MLX module names -> DeepSeek's (``str.replace``d in this order, after ``model.`` goes).
+RENAMES = (
     (".hc_attn.", ".hc_attn_"),
     (".hc_ffn.", ".hc_ffn_"),
     (".hc_head.hc_", ".hc_head_"),
@@ -149,19 +150,38 @@ def published_shapes(dspark: bool = False) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _published(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+def published_names(name: str, experts: int) -> list[str]:
+    """The published name of the MLX parameter ``name``; an expert stack (``switch_mlp``,
+    ``experts`` deep) is published as one tensor per expert. DeepSeek's ``wo_a`` is
+    MLX's flattened to two dimensions (see `is_flattened`)."""
     if name in _TOP:
-        return [(_TOP[name], shape)]
+        return [_TOP[name]]
     name = name.removeprefix("model.")
-    for mlx_name, ds_name in _RENAMES:
+    for mlx_name, ds_name in RENAMES:
         name = name.replace(mlx_name, ds_name)
-    if ".ffn.switch_mlp." in name:
+    if is_expert_stack(name):
         block, proj = name.split(".ffn.switch_mlp.")
         w = _EXPERT_NAMES[proj.removesuffix(".weight")]
-        return [(f"{block}.ffn.experts.{e}.{w}.weight", shape[1:]) for e in range(shape[0])]
-    if name.endswith(".attn.wo_a.weight"):
+        return [f"{block}.ffn.experts.{e}.{w}.weight" for e in range(experts)]
+    return [name]
+
+
+def is_expert_stack(name: str) -> bool:
+    return ".ffn.switch_mlp." in name
+
+
+def is_flattened(name: str) -> bool:
+    """Published with its first two dimensions as one (the grouped ``wo_a``)."""
+    return name.endswith(".attn.wo_a.weight")
+
+
+def _published(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    names = published_names(name, shape[0])
+    if is_expert_stack(name):
+        return [(published, shape[1:]) for published in names]
+    if is_flattened(name):
         shape = (shape[0] * shape[1], shape[2])
-    return [(name, shape)]
+    return [(names[0], shape)]
 
 
 @dataclass

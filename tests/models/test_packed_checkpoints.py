@@ -31,35 +31,15 @@ from mlxserve.models.deepseek_v4 import Model, ModelArgs  # noqa: E402
 from mlxserve.models.deepseek_v4.model import MTPBlock  # noqa: E402
 from mlxserve.models.deepseek_v4.packed import repack, to_e8m0  # noqa: E402
 from mlxserve.models.loader import load_model  # noqa: E402
-
-SLIDING = "sliding_attention"
-CSA = "compressed_sparse_attention"
-HCA = "heavily_compressed_attention"
-CONFIG: dict[str, Any] = {
-    "model_type": "deepseek_v4",
-    "vocab_size": 64,
-    "hidden_size": 160,
-    "moe_intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "head_dim": 64,
-    "q_lora_rank": 64,
-    "num_experts_per_tok": 2,
-    "n_routed_experts": 4,
-    "layer_types": [SLIDING, CSA, HCA],
-    "compress_rates": {CSA: 4, HCA: 8},
-    "mlp_layer_types": ["hash_moe", "moe", "moe"],
-    "sliding_window": 8,
-    "o_groups": 2,
-    "o_lora_rank": 32,
-    "index_n_heads": 4,
-    "index_head_dim": 32,
-    "index_topk": 2,
-    "hc_mult": 2,
-    "partial_rotary_factor": 0.25,
-    "num_nextn_predict_layers": 1,
-}
-TOKENS = [[3, 17, 42, 8, 60, 1, 33, 25, 9, 51, 12, 40, 7, 19, 63, 28, 5, 44, 36, 21]]
+from tests.models.published_layouts import (  # noqa: E402
+    CONFIG,
+    RENAMES,
+    SLIDING,
+    TOKENS,
+    is_expert_stack,
+    is_flattened,
+    published_names,
+)
 
 #: FP8 in V4-Flash: the attention projections, the indexer's query, the shared expert
 #: and the MTP input projections (the compressors and weights_proj ship in bf16).
@@ -67,28 +47,11 @@ _FP8 = re.compile(
     r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.indexer\.wq_b\.weight$"
     r"|\.shared_experts\.\w+\.weight$|\.(e_proj|h_proj)\.weight$"
 )
-_TOP = {
-    "model.embed_tokens.weight": "embed.weight",
-    "lm_head.weight": "head.weight",
-    "model.norm.weight": "norm.weight",
-    "model.hc_head.hc_fn": "hc_head_fn",
-    "model.hc_head.hc_base": "hc_head_base",
-    "model.hc_head.hc_scale": "hc_head_scale",
-}
-_DS_RENAMES = (
-    (".hc_attn.", ".hc_attn_"),
-    (".hc_ffn.", ".hc_ffn_"),
-    (".hc_head.hc_", ".hc_head_"),
-    (".shared_experts.gate_proj.", ".shared_experts.w1."),
-    (".shared_experts.down_proj.", ".shared_experts.w2."),
-    (".shared_experts.up_proj.", ".shared_experts.w3."),
-)
-_EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 
 def _kind(name: str) -> str | None:
     """How the published checkpoint stores the MLX parameter ``name``."""
-    if ".ffn.switch_mlp." in name:
+    if is_expert_stack(name):
         return "fp4"
     return "fp8" if _FP8.search(name) else None
 
@@ -114,20 +77,12 @@ def _float_params(seed: int = 0) -> dict[str, Any]:
 
 def _deepseek_names(name: str, value: Any, prefix: str) -> list[tuple[str, Any]]:
     """One MLX parameter as DeepSeek's tensor(s): experts split, ``wo_a`` flattened."""
-    if name in _TOP:
-        return [(prefix + _TOP[name], value)]
-    name = name.removeprefix("model.")
-    for mlx_name, ds_name in _DS_RENAMES:
-        name = name.replace(mlx_name, ds_name)
-    if ".ffn.switch_mlp." in name:
-        block, proj = name.split(".ffn.switch_mlp.")
-        w = _EXPERT_NAMES[proj.removesuffix(".weight")]
-        return [
-            (f"{prefix}{block}.ffn.experts.{e}.{w}.weight", value[e]) for e in range(value.shape[0])
-        ]
-    if name.endswith(".attn.wo_a.weight"):
+    names = [prefix + published for published in published_names(name, value.shape[0])]
+    if is_expert_stack(name):
+        return [(published, value[e]) for e, published in enumerate(names)]
+    if is_flattened(name):
         value = value.reshape(-1, value.shape[-1])
-    return [(prefix + name, value)]
+    return [(names[0], value)]
 
 
 def _scale_out(exponents: np.ndarray, scale_dtype: str) -> Any:
@@ -331,7 +286,7 @@ def test_sanitize_expands_block_scales_per_row_and_group(
 def _mlx_name(deepseek: str) -> str:
     """The MLX module path of a DeepSeek ``X.scale`` tensor (non-expert)."""
     base = deepseek.removesuffix(".scale")
-    for mlx_name, ds_name in _DS_RENAMES:
+    for mlx_name, ds_name in RENAMES:
         base = base.replace(ds_name.rstrip("."), mlx_name.rstrip("."))
     return base if base.startswith("mtp.") else f"model.{base}"
 

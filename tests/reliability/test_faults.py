@@ -36,6 +36,13 @@ def test_variables_arm_faults() -> None:
     assert faults.describe() == "MLXSERVE_FAULT_HANG_AT_STEP=3, MLXSERVE_FAULT_RAISE_AT_STEP=5"
 
 
+def test_the_follower_hang_is_not_rank_0s() -> None:
+    faults = active_faults({"MLXSERVE_FAULT_FOLLOWER_HANG_AT_STEP": "1"})
+    assert faults == Faults(follower_hang_at_step=1) and faults.armed
+    FaultInjector(faults, hang_poll_s=0.01)(plan(1))  # rank 0's engine: no hang
+    # A follower arms it as its own hang (`run_follower`); see test_rank_watchdog.
+
+
 @pytest.mark.parametrize("value", ["soon", "0", "-2", "1.5"])
 def test_bad_values_name_the_variable(value: str) -> None:
     with pytest.raises(ValueError, match="MLXSERVE_FAULT_CRASH_AT_STEP must be a step index"):

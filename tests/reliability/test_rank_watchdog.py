@@ -1,17 +1,21 @@
-"""A watchdog on every rank: a follower blocked in a collective that never completes exits 75.
+"""A watchdog on every rank: no rank of a tensor-parallel group outlives a stalled step.
 
 Two real ring ranks on loopback, started as `mlx.launch` starts them: rank 0 is
-`mlxserve serve` (its engine process leads), rank 1 follows. Rank 0's engine
-hangs at a step after broadcasting it (injected), so rank 1 runs that step and
-blocks in the forward's all_sum, which never completes. Both ranks must end
-with exit 75 within the progress timeout + 2 s of the hang, each dumping its
-stacks.
+`mlxserve serve` (its engine process leads), rank 1 follows. A hang is injected
+at step 4 (step 1 is the health probe, 2 the prefill, then decode steps), on one
+rank, and the other waits for it in the step's collective.
+
+- The follower stalls (``MLXSERVE_FAULT_FOLLOWER_HANG_AT_STEP``): it sleeps before
+  its forward, where nothing rank 0 does can reach it, so it is its own watchdog
+  that ends it, every time: exit 75 with its diagnostic and stacks.
+- Rank 0 stalls (``MLXSERVE_FAULT_HANG_AT_STEP``): its engine exits 75, and the
+  follower, blocked in the forward's all_sum, must be gone as soon, however it
+  learns of it: its watchdog (exit 75), or the collective breaking when rank 0's
+  process ends ("peer was lost"). Both stall at the same step, so which comes
+  first is a race; what this case shows is that the follower is never left behind.
 """
 
-import json
-import signal
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -19,13 +23,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.ring import free_ports
-from tests.server.live import REPO, LiveServer
+from tests.ring import served_by_two_ranks
+from tests.server.live import LiveServer
 
 pytestmark = pytest.mark.slow
 
 PROGRESS_TIMEOUT_S = 2.0
-HANG_STEP = 4  # step 1 is the health probe, 2 the prefill, then decode steps
+HANG_STEP = 4
 CONFIG = f"""
 model = "demo"
 [policy]
@@ -34,8 +38,13 @@ overrides = ["progress_timeout_s={PROGRESS_TIMEOUT_S}"]
 port = 0
 ready_interval_s = 60.0
 hang_floor_s = 30.0
-engine_env = {{ MLXSERVE_FAULT_HANG_AT_STEP = "{HANG_STEP}" }}
 """
+BODY = {
+    "model": "demo",
+    "messages": [{"role": "user", "content": "Python reference: for"}],
+    "max_tokens": 16,
+    "temperature": 0,
+}
 
 
 def logged_at(line: str) -> float:
@@ -44,54 +53,46 @@ def logged_at(line: str) -> float:
     return stamp.timestamp()
 
 
-def test_follower_stuck_in_a_collective_exits_75_like_rank_0(tmp_path: Path) -> None:
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
-    cluster = {"MLX_HOSTFILE": str(hostfile), "OMP_NUM_THREADS": "1"}
-    front = LiveServer(tmp_path, CONFIG, env={**cluster, "MLX_RANK": "0"})
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "mlxserve", "--config", str(front.config)],
-        cwd=REPO,
-        env={**front.env, **cluster, "MLX_RANK": "1"},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        front.start(timeout=180)
-        body = {
-            "model": "demo",
-            "messages": [{"role": "user", "content": "Python reference: for"}],
-            "max_tokens": 16,
-            "temperature": 0,
-        }
-        # The only backend dies mid-request: 503 once the retries run out.
-        answer = httpx.post(f"{front.url}/v1/chat/completions", json=body, timeout=2 * 60)
-        assert answer.status_code == 503, answer.text
-        follower.wait(timeout=30)
-        follower_gone = time.time()
-        _, err = follower.communicate(timeout=10)
-        # Both ranks stall at step 4 together, so their watchdogs race. Usually the
-        # follower's fires while it waits in the all_sum: exit 75 with its dump. If
-        # rank 0's fires first, its exit breaks the follower's collective ("peer was
-        # lost") and the follower ends on that instead; either way no rank is left.
-        if follower.returncode == 75:
-            assert "watchdog: no progress" in err and "stuck step: index=4" in err
-            assert "Current thread" in err or "Thread 0x" in err  # faulthandler's dump
-        else:
+def hung_at(lines: list[str]) -> float:
+    return logged_at(next(line for line in lines if "injected hang at step" in line))
+
+
+def fail_the_request(front: LiveServer, follower: "subprocess.Popen[str]") -> tuple[str, float]:
+    """The request the stall catches (the only backend dies: 503 once the retries run
+    out); then the follower's stderr and when it was seen gone."""
+    answer = httpx.post(f"{front.url}/v1/chat/completions", json=BODY, timeout=2 * 60)
+    assert answer.status_code == 503, answer.text
+    follower.wait(timeout=30)
+    gone = time.time()
+    _, err = follower.communicate(timeout=10)
+    return err, gone
+
+
+def test_a_stalled_follower_exits_75_by_its_own_watchdog(tmp_path: Path) -> None:
+    stall = {"MLXSERVE_FAULT_FOLLOWER_HANG_AT_STEP": str(HANG_STEP)}
+    with served_by_two_ranks(tmp_path, CONFIG, follower_env=stall) as (front, follower):
+        err, gone = fail_the_request(front, follower)
+        assert follower.returncode == 75, err[-3000:]
+        assert "this follower hangs at step 4" in err  # armed from its own environment
+        assert "watchdog: no progress" in err and f"stuck step: index={HANG_STEP}" in err
+        assert "run_follower" in err  # the stack is the follower loop's
+        assert "Current thread" in err or "Thread 0x" in err  # faulthandler's dump
+        assert gone - hung_at(err.splitlines()) <= PROGRESS_TIMEOUT_S + 2.0, err[-3000:]
+        # Rank 0's engine never armed the follower's fault.
+        assert not any("injected hang" in line for line in front.lines), front.tail()
+
+
+def test_followers_are_gone_as_soon_as_a_stalled_rank_0(tmp_path: Path) -> None:
+    stall = f'engine_env = {{ MLXSERVE_FAULT_HANG_AT_STEP = "{HANG_STEP}" }}\n'
+    with served_by_two_ranks(tmp_path, CONFIG + stall) as (front, follower):
+        err, gone = fail_the_request(front, follower)
+        if follower.returncode == 75:  # its watchdog fired first, in the all_sum
+            assert "watchdog: no progress" in err and f"stuck step: index={HANG_STEP}" in err
+        else:  # rank 0's exit broke the collective first
             assert follower.returncode != 0 and "peer was lost" in err, err[-3000:]
-        hang = next(line for line in front.lines if "injected hang at step" in line)
-        hung_at = logged_at(hang)
+        hang = hung_at(front.lines)
         _, detail = front.ready()
         exits = [i for i in detail["incidents"] if i["exit_code"] == 75]
         assert exits, front.tail()
-        assert exits[0]["at"] - hung_at <= PROGRESS_TIMEOUT_S + 2.0, (exits, hang)
-        assert follower_gone - hung_at <= PROGRESS_TIMEOUT_S + 2.0, (follower_gone, hang)
-    finally:
-        front.stop(signal.SIGTERM, timeout=30)
-        if follower.poll() is None:
-            follower.kill()
-            follower.communicate()
-        elif follower.stderr is not None and not follower.stderr.closed:
-            follower.stderr.close()
+        assert exits[0]["at"] - hang <= PROGRESS_TIMEOUT_S + 2.0, (exits, hang)
+        assert gone - hang <= PROGRESS_TIMEOUT_S + 2.0, (gone, hang)

@@ -1,6 +1,7 @@
 """The HTTP surface with fake backends: routes, error rows, status codes and shapes."""
 
 import json
+from typing import Any
 
 import pytest
 from starlette.testclient import TestClient
@@ -135,6 +136,29 @@ def test_unknown_model_is_404_and_never_reaches_a_backend(
         client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4"}), 404, "model"
     )
     assert error["code"] == "model_not_found"
+    assert fake.calls == []
+
+
+TURNS = CHAT["messages"]
+NO_NAME = {"type": "tool"}
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # Each body is also wrong in what it translates to: the model is judged first.
+        ("/v1/messages", {**CHAT, "tool_choice": NO_NAME}),
+        ("/v1/messages/count_tokens", {"model": "demo", "messages": TURNS, "tool_choice": NO_NAME}),
+        ("/v1/responses", {"model": "demo", "input": []}),
+        ("/tokenize", {"model": "demo", "messages": TURNS, "tool_choice": "required"}),
+    ],
+)  # fmt: skip
+def test_every_chat_shaped_route_checks_the_model_before_the_content(
+    client: TestClient, fake: FakeBackend, path: str, body: dict[str, Any]
+) -> None:
+    assert client.post(path, json=body).status_code == 400  # the content alone is wrong
+    response = client.post(path, json={**body, "model": "gpt-4"})
+    assert response.status_code == 404, response.text
     assert fake.calls == []
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.ring import free_ports
-from tests.server.live import REPO, LiveServer
+from tests.ring import served_by_two_ranks
+from tests.server.live import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -30,21 +30,7 @@ ready_interval_s = 2.0
 
 
 def test_two_ranks_serve_one_model(tmp_path: Path) -> None:
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(2)]))
-    cluster = {"MLX_HOSTFILE": str(hostfile), "OMP_NUM_THREADS": "1"}
-    front = LiveServer(tmp_path, CONFIG, env={**cluster, "MLX_RANK": "0"})
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "mlxserve", "--config", str(front.config)],
-        cwd=REPO,
-        env={**front.env, **cluster, "MLX_RANK": "1"},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        front.start(timeout=180)
+    with served_by_two_ranks(tmp_path, CONFIG) as (front, follower):
         body = {
             "model": "demo",
             "messages": [{"role": "user", "content": PROMPT}],
@@ -66,10 +52,3 @@ def test_two_ranks_serve_one_model(tmp_path: Path) -> None:
         _, err = follower.communicate(timeout=60)
         assert follower.returncode == 0, err[-2000:]
         assert "rank 0 stopped after" in err
-    finally:
-        front.stop()
-        if follower.poll() is None:
-            follower.kill()
-            follower.communicate()
-        elif follower.stderr is not None and not follower.stderr.closed:
-            follower.stderr.close()

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,12 +130,22 @@ def build_demo_model(
     """
     digest = content_hash(source)
     target = Path(out_dir) if out_dir is not None else cache_root() / f"demo-{digest[:12]}"
+    return build_once(target, digest, lambda tmp: _write_checkpoint(source, tmp, progress))
+
+
+def build_once(target: Path, digest: str, write: Callable[[Path], None]) -> Path:
+    """`target` as `write` makes it, built once per `digest` (its completion marker).
+
+    Written into a temporary sibling and renamed into place, so an interrupted build
+    leaves nothing half-written; when several processes build at once, the first to
+    finish wins and the others keep its result.
+    """
     if _is_complete(target, digest):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _write_checkpoint(source, tmp, progress)
+        write(tmp)
         (tmp / MARKER).write_text(digest + "\n")
         if target.exists():
             if _is_complete(target, digest):  # Another process finished first.

@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from mlxserve.models.deepseek_v4.encoding import ASSISTANT, BOS, EOS, USER
 
-from .build import MARKER, build_demo_model
+from .build import MARKER, build_demo_model, build_once
 
 #: The demo's special tokens and the DeepSeek-V4 tokens that take over their ids.
 RENAMED = {
@@ -64,25 +63,13 @@ def build_deepseek_format_demo(out_dir: Path | None = None, progress: bool = Tru
     base = build_demo_model(progress=progress)
     digest = (base / MARKER).read_text().strip() + SUFFIX
     target = Path(out_dir) if out_dir is not None else base.with_name(base.name + SUFFIX)
-    marker = target / MARKER
-    if marker.is_file() and marker.read_text().strip() == digest:
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         for name in ("model.safetensors", "config.json"):
             try:
                 os.link(base / name, tmp / name)
             except OSError:
                 shutil.copyfile(base / name, tmp / name)
         _write_tokenizer(base, tmp)
-        (tmp / MARKER).write_text(digest + "\n")
-        if target.exists():
-            if marker.is_file() and marker.read_text().strip() == digest:
-                return target
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_once(target, digest, write)

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlxserve.engine.request import TokenLogprob
+from mlxserve.engine.request import TokenLogprob, only_temperature_top_p
 
 
 class BackendUnavailable(Exception):
@@ -56,16 +56,7 @@ class GenerationParams:
     @property
     def plain(self) -> bool:
         """Only what any OpenAI-compatible completions server understands."""
-        return (
-            self.top_k == 0
-            and self.min_p == 0
-            and self.presence_penalty == 0
-            and self.frequency_penalty == 0
-            and self.repetition_penalty == 1
-            and not self.logit_bias
-            and self.logprobs is None
-            and self.grammar is None
-        )
+        return only_temperature_top_p(self) and self.grammar is None
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,9 @@ from starlette.routing import Route
 from mlxserve.engine.request import TokenLogprob
 from mlxserve.models.tool_calls import ParsedToolCall
 from mlxserve.server.chat_output import ChatOutput, Content, Piece, Reasoning
-from mlxserve.server.chat_prompt import ChatPrompt, build_chat_prompt
+from mlxserve.server.chat_prompt import ChatPrompt
 from mlxserve.server.choices import fan_out
 from mlxserve.server.codec import Codec
-from mlxserve.server.constraints import after_reasoning, response_format_grammar
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.generation import Delta
 from mlxserve.server.logprobs import chat_logprobs
@@ -38,28 +37,18 @@ from mlxserve.server.protocol import (
     ToolCallOut,
     Usage,
 )
+from mlxserve.server.routes.chat_call import as_chat, read_chat
 from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
     backend_header,
-    collect_each,
+    collect_choices,
     dump,
-    parse_body,
-    runtime_of,
-    sampling_extra,
+    total_usage,
     usage_of,
+    with_first,
 )
 from mlxserve.server.sse import sse_response
-
-
-def chat_grammar(body: ChatCompletionRequest, prompt: ChatPrompt) -> str | None:
-    """The answer's grammar: a forced tool call's, or the response format's."""
-    if prompt.grammar is not None:
-        return prompt.grammar  # a forced tool call's, reasoning included
-    grammar = response_format_grammar(body.response_format)
-    if grammar is not None and prompt.reasoning_end is not None:
-        grammar = after_reasoning(grammar, prompt.reasoning_end)
-    return grammar
 
 
 def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
@@ -69,13 +58,10 @@ def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
 
 
 async def chat_completions(request: Request) -> Response:
-    runtime = runtime_of(request)
-    body = await parse_body(request, ChatCompletionRequest)
-    generations = runtime.generations
-    generations.check_model(body.model)
-    prompt = build_chat_prompt(body, runtime.codec, runtime.settings.chat.thinking)
-    extra = sampling_extra(body)
-    extra["grammar"] = chat_grammar(body, prompt)
+    call = await read_chat(request, ChatCompletionRequest, as_chat)
+    body, prompt, codec = call.body, call.prompt, call.runtime.codec
+    generations = call.runtime.generations
+    extra = call.extra()
     extra["logprobs"] = chat_logprobs_count(body)
     prepared = generations.prepare(
         prompt.ids,
@@ -94,21 +80,14 @@ async def chat_completions(request: Request) -> Response:
         "model": body.model,
     }
     n = body.n or 1
-    answers = [Answer(prompt, runtime.codec) for _ in range(n)]
+    answers = [Answer(prompt, codec) for _ in range(n)]
     tagged = fan_out(generations, prepared, n)
     first = await anext(tagged)  # the first token, or the error with its real status
     if not body.stream:
-        lasts: dict[int, Delta] = {}
-
-        def add(item: tuple[int, Delta]) -> None:
-            index, delta = item
-            answers[index].add(delta)
-            if delta.finish_reason is not None:
-                lasts[index] = delta
-
         try:
-            add(first)
-            await collect_each(tagged, request, add)
+            lasts = await collect_choices(
+                first, tagged, request, lambda index, delta: answers[index].add(delta)
+            )
         except ClientGone:  # nobody to answer; the generation was cancelled
             return Response(status_code=CLIENT_CLOSED)
         choices = [
@@ -124,37 +103,12 @@ async def chat_completions(request: Request) -> Response:
         completion = ChatCompletion(
             **meta,
             choices=choices,
-            usage=_total_usage([a.usage(lasts[i]) for i, a in enumerate(answers)]),
+            usage=total_usage([a.usage(lasts[i]) for i, a in enumerate(answers)]),
             speculative=last.speculative,
         )
         return JSONResponse(dump(completion), headers=backend_header(last))
-    chunks = _chunks(with_first_tagged(first, tagged), meta, answers, body.include_usage)
+    chunks = _chunks(with_first(first, tagged), meta, answers, body.include_usage)
     return sse_response(chunks, headers=backend_header(first[1]))
-
-
-def _total_usage(usages: list[Usage]) -> Usage:
-    """n choices: the prompt once, the completions summed (as OpenAI counts them)."""
-    total = usages[0].model_copy()
-    for usage in usages[1:]:
-        total.completion_tokens += usage.completion_tokens
-        total.total_tokens += usage.completion_tokens
-        if usage.completion_tokens_details and total.completion_tokens_details:
-            for key, value in usage.completion_tokens_details.items():
-                total.completion_tokens_details[key] = (
-                    total.completion_tokens_details.get(key, 0) + value
-                )
-    return total
-
-
-async def with_first_tagged(
-    first: tuple[int, Delta], rest: AsyncGenerator[tuple[int, Delta], None]
-) -> AsyncGenerator[tuple[int, Delta], None]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
 
 
 @dataclass
@@ -274,7 +228,7 @@ async def _chunks(
                 yield chunk(index, ChatDelta(), answer.finish(delta))
                 usages[index] = answer.usage(delta)
         if include_usage and usages:
-            usage = _total_usage([usages[i] for i in sorted(usages)])
+            usage = total_usage([usages[i] for i in sorted(usages)])
             yield dump(ChatCompletionChunk(**meta, choices=[], usage=usage))
     finally:
         await deltas.aclose()

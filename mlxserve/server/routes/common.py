@@ -119,16 +119,38 @@ def backend_header(delta: Delta) -> dict[str, str]:
     return {BACKEND_HEADER: delta.backend} if delta.backend else {}
 
 
-async def with_first(
-    first: Delta, rest: AsyncGenerator[Delta, None]
-) -> AsyncGenerator[Delta, None]:
+async def with_first(first: Item, rest: AsyncGenerator[Item, None]) -> AsyncGenerator[Item, None]:
     """`first` (already taken from `rest`, to answer errors with a real status), then `rest`."""
     try:
         yield first
-        async for delta in rest:
-            yield delta
+        async for item in rest:
+            yield item
     finally:
         await rest.aclose()
+
+
+async def collect_choices(
+    first: tuple[int, Delta],
+    rest: AsyncGenerator[tuple[int, Delta], None],
+    request: Request,
+    each: Callable[[int, Delta], object],
+) -> dict[int, Delta]:
+    """The last delta of every choice of an ``n``-choice generation, by index.
+
+    `first` was taken from `rest` already (see `with_first`); `each` sees every
+    delta as it comes. Raises `ClientGone` when the client goes first.
+    """
+    lasts: dict[int, Delta] = {}
+
+    def add(item: tuple[int, Delta]) -> None:
+        index, delta = item
+        each(index, delta)
+        if delta.finish_reason is not None:
+            lasts[index] = delta
+
+    add(first)
+    await collect_each(rest, request, add)
+    return lasts
 
 
 def usage_of(delta: Delta) -> Usage:
@@ -139,6 +161,20 @@ def usage_of(delta: Delta) -> Usage:
         total_tokens=delta.prompt_tokens + delta.completion_tokens,
         prompt_tokens_details=details,
     )
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """n choices: the prompt once, the completions summed (as OpenAI counts them)."""
+    total = usages[0].model_copy()
+    for usage in usages[1:]:
+        total.completion_tokens += usage.completion_tokens
+        total.total_tokens += usage.completion_tokens
+        if usage.completion_tokens_details and total.completion_tokens_details:
+            for key, value in usage.completion_tokens_details.items():
+                total.completion_tokens_details[key] = (
+                    total.completion_tokens_details.get(key, 0) + value
+                )
+    return total
 
 
 def dump(model: BaseModel) -> dict[str, object]:

@@ -20,12 +20,14 @@ from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
     backend_header,
-    collect_each,
+    collect_choices,
     dump,
     parse_body,
     runtime_of,
     sampling_extra,
+    total_usage,
     usage_of,
+    with_first,
 )
 from mlxserve.server.sse import sse_response
 
@@ -60,18 +62,13 @@ async def completions(request: Request) -> Response:
     if not body.stream:
         texts: list[list[str]] = [[] for _ in range(n)]
         records: list[list[TokenLogprob]] = [[] for _ in range(n)]
-        lasts: dict[int, Delta] = {}
 
-        def add(item: tuple[int, Delta]) -> None:
-            index, delta = item
+        def add(index: int, delta: Delta) -> None:
             texts[index].append(delta.text)
             records[index] += delta.logprobs or ()
-            if delta.finish_reason is not None:
-                lasts[index] = delta
 
         try:
-            add(first)
-            await collect_each(tagged, request, add)
+            lasts = await collect_choices(first, tagged, request, add)
         except ClientGone:  # nobody to answer; the generation was cancelled
             return Response(status_code=CLIENT_CLOSED)
         choices = [
@@ -84,7 +81,7 @@ async def completions(request: Request) -> Response:
             for i in range(n)
         ]
         last = lasts[0]
-        usage = _total([usage_of(lasts[i]) for i in range(n)])
+        usage = total_usage([usage_of(lasts[i]) for i in range(n)])
         completion = Completion(**meta, choices=choices, usage=usage, speculative=last.speculative)
         return JSONResponse(dump(completion), headers=backend_header(last))
     chunks = _chunks(first, tagged, meta, body.include_usage, runtime.codec, body.logprobs)
@@ -95,14 +92,6 @@ def _logprobs(
     codec: Codec, records: list[TokenLogprob], asked: int | None, offset: int = 0
 ) -> dict[str, Any] | None:
     return None if asked is None else completion_logprobs(codec, records, offset)
-
-
-def _total(usages: list[Usage]) -> Usage:
-    total = usages[0].model_copy()
-    for usage in usages[1:]:
-        total.completion_tokens += usage.completion_tokens
-        total.total_tokens += usage.completion_tokens
-    return total
 
 
 async def _chunks(
@@ -117,13 +106,8 @@ async def _chunks(
     offsets: dict[int, int] = {}
     usages: dict[int, Usage] = {}
 
-    async def items() -> AsyncGenerator[tuple[int, Delta], None]:
-        yield first
-        async for item in rest:
-            yield item
-
     try:
-        async for index, delta in items():
+        async for index, delta in with_first(first, rest):
             if delta.text or delta.finish_reason is not None or index not in started:
                 started.add(index)
                 offset = offsets.get(index, 0)
@@ -138,7 +122,7 @@ async def _chunks(
             if delta.finish_reason is not None:
                 usages[index] = usage_of(delta)
         if include_usage and usages:
-            usage = _total([usages[i] for i in sorted(usages)])
+            usage = total_usage([usages[i] for i in sorted(usages)])
             yield dump(Completion(**meta, choices=[], usage=usage))
     finally:
         await rest.aclose()

@@ -22,18 +22,15 @@ from starlette.routing import Route
 from mlxserve.models.tool_calls import ParsedToolCall
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
 from mlxserve.server.chat_output import Content, Piece, Reasoning
-from mlxserve.server.chat_prompt import build_chat_prompt
 from mlxserve.server.errors import APIError
 from mlxserve.server.generation import Delta
-from mlxserve.server.routes.chat import Answer, chat_grammar
+from mlxserve.server.routes.chat import Answer
+from mlxserve.server.routes.chat_call import read_chat
 from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
     backend_header,
     collect,
-    parse_body,
-    runtime_of,
-    sampling_extra,
     with_first,
 )
 from mlxserve.server.sse import typed_sse_response
@@ -93,14 +90,9 @@ def _tool_block(call: ParsedToolCall) -> dict[str, Any]:
 
 @_anthropic
 async def messages(request: Request) -> Response:
-    runtime = runtime_of(request)
-    body = await parse_body(request, MessagesRequest)
-    generations = runtime.generations
-    generations.check_model(body.model)
-    chat = to_chat(body)
-    prompt = build_chat_prompt(chat, runtime.codec, runtime.settings.chat.thinking)
-    extra = sampling_extra(chat)
-    extra["grammar"] = chat_grammar(chat, prompt)
+    call = await read_chat(request, MessagesRequest, to_chat)
+    body, chat, prompt = call.body, call.chat, call.prompt
+    generations = call.runtime.generations
     prepared = generations.prepare(
         prompt.ids,
         max_tokens=body.max_tokens,
@@ -108,10 +100,10 @@ async def messages(request: Request) -> Response:
         top_p=chat.top_p,
         seed=None,
         stops=chat.stop_strings(),
-        extra=extra,
+        extra=call.extra(),
     )
     message_id = f"msg_{prepared.request_id}"
-    answer = Answer(prompt, runtime.codec)
+    answer = Answer(prompt, call.runtime.codec)
     deltas = generations.run(prepared)
     first = await anext(deltas)  # the first token, or the error with its real status
     if not body.stream:
@@ -228,11 +220,8 @@ async def _events(
 
 @_anthropic
 async def count_tokens(request: Request) -> Response:
-    runtime = runtime_of(request)
-    body = await parse_body(request, CountTokensRequest)
-    runtime.generations.check_model(body.model)
-    prompt = build_chat_prompt(to_chat(body), runtime.codec, runtime.settings.chat.thinking)
-    return JSONResponse({"input_tokens": len(prompt.ids)})
+    call = await read_chat(request, CountTokensRequest, to_chat)
+    return JSONResponse({"input_tokens": len(call.prompt.ids)})
 
 
 routes = [

@@ -19,19 +19,16 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxserve.server.chat_output import Content, Piece, Reasoning
-from mlxserve.server.chat_prompt import build_chat_prompt
 from mlxserve.server.errors import APIError
 from mlxserve.server.generation import Delta
 from mlxserve.server.responses_protocol import ResponsesRequest, to_chat
-from mlxserve.server.routes.chat import Answer, chat_grammar
+from mlxserve.server.routes.chat import Answer
+from mlxserve.server.routes.chat_call import read_chat
 from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
     backend_header,
     collect_each,
-    parse_body,
-    runtime_of,
-    sampling_extra,
     with_first,
 )
 from mlxserve.server.sse import typed_sse_response
@@ -210,14 +207,9 @@ def _response(
 
 
 async def responses(request: Request) -> Response:
-    runtime = runtime_of(request)
-    body = await parse_body(request, ResponsesRequest)
-    generations = runtime.generations
-    generations.check_model(body.model)
-    chat = to_chat(body)
-    prompt = build_chat_prompt(chat, runtime.codec, runtime.settings.chat.thinking)
-    extra = sampling_extra(chat)
-    extra["grammar"] = chat_grammar(chat, prompt)
+    call = await read_chat(request, ResponsesRequest, to_chat)
+    body, chat, prompt = call.body, call.chat, call.prompt
+    generations = call.runtime.generations
     prepared = generations.prepare(
         prompt.ids,
         max_tokens=chat.token_limit,
@@ -226,7 +218,7 @@ async def responses(request: Request) -> Response:
         seed=chat.seed,
         stops=[],
         limit_param="max_output_tokens",
-        extra=extra,
+        extra=call.extra(),
     )
     head: dict[str, Any] = {
         "id": f"resp_{prepared.request_id}",
@@ -247,7 +239,7 @@ async def responses(request: Request) -> Response:
         "error": None,
         "incomplete_details": None,
     }
-    answer = Answer(prompt, runtime.codec)
+    answer = Answer(prompt, call.runtime.codec)
     items = _Items()
     deltas = generations.run(prepared)
     first = await anext(deltas)  # the first token, or the error with its real status

@@ -15,7 +15,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxserve.server.chat_prompt import build_chat_prompt
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.protocol import (
     ChatCompletionRequest,
@@ -23,6 +22,7 @@ from mlxserve.server.protocol import (
     DetokenizeRequest,
     TokenizeKind,
 )
+from mlxserve.server.routes.chat_call import as_chat, read_chat
 from mlxserve.server.routes.common import parse_body, runtime_of
 
 
@@ -35,9 +35,7 @@ async def tokenize(request: Request) -> Response:
         )
     codec = runtime.codec
     if kind.messages is not None:
-        chat = await parse_body(request, ChatCompletionRequest)
-        runtime.generations.check_model(chat.model)
-        prompt = build_chat_prompt(chat, codec, runtime.settings.chat.thinking)
+        prompt = (await read_chat(request, ChatCompletionRequest, as_chat)).prompt
         ids, text = prompt.ids, prompt.text
     else:
         completion = await parse_body(request, CompletionRequest)

@@ -1,0 +1,69 @@
+"""A chat-shaped request read and checked, whichever API it came by.
+
+Chat completions, Anthropic Messages (and its count_tokens), the Responses API and
+``/tokenize`` all open the same way: parse the body, check the model, translate it
+to the internal chat request, build the prompt. One function does it so that the
+order, and so which error a request with several faults gets, is the same
+everywhere: a wrong model is a 404 before anything about the content is judged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from starlette.requests import Request
+
+from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from mlxserve.server.chat_prompt import ChatPrompt, build_chat_prompt
+from mlxserve.server.constraints import after_reasoning, response_format_grammar
+from mlxserve.server.protocol import ChatCompletionRequest
+from mlxserve.server.responses_protocol import ResponsesRequest
+from mlxserve.server.routes.common import parse_body, runtime_of, sampling_extra
+from mlxserve.server.runtime import Runtime
+
+Body = TypeVar("Body", ChatCompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
+
+
+def chat_grammar(body: ChatCompletionRequest, prompt: ChatPrompt) -> str | None:
+    """The answer's grammar: a forced tool call's, or the response format's."""
+    if prompt.grammar is not None:
+        return prompt.grammar  # a forced tool call's, reasoning included
+    grammar = response_format_grammar(body.response_format)
+    if grammar is not None and prompt.reasoning_end is not None:
+        grammar = after_reasoning(grammar, prompt.reasoning_end)
+    return grammar
+
+
+@dataclass(frozen=True)
+class ChatCall(Generic[Body]):
+    """The request as its API sent it, as the internal chat request, and its prompt."""
+
+    runtime: Runtime
+    body: Body
+    chat: ChatCompletionRequest
+    prompt: ChatPrompt
+
+    def extra(self) -> dict[str, Any]:
+        """The sampling fields beyond temperature, top_p and seed, and the grammar."""
+        extra = sampling_extra(self.chat)
+        extra["grammar"] = chat_grammar(self.chat, self.prompt)
+        return extra
+
+
+async def read_chat(
+    request: Request, kind: type[Body], to_chat: Callable[[Body], ChatCompletionRequest]
+) -> ChatCall[Body]:
+    """Parse, check the model, translate (`to_chat`), build the prompt: in that order."""
+    runtime = runtime_of(request)
+    body = await parse_body(request, kind)
+    runtime.generations.check_model(body.model)
+    chat = to_chat(body)
+    prompt = build_chat_prompt(chat, runtime.codec, runtime.settings.chat.thinking)
+    return ChatCall(runtime, body, chat, prompt)
+
+
+def as_chat(body: ChatCompletionRequest) -> ChatCompletionRequest:
+    """`to_chat` for a body that already is a chat request."""
+    return body
