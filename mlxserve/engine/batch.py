@@ -27,6 +27,7 @@ from mlxserve.engine.acceptance import greedy_accept, rejection_accept
 from mlxserve.engine.adapter import ModelAdapter, ModelState, PlainAdapter, PlainState
 from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly
 from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.ring_cache import RingBatch, ring_capable
 from mlxserve.engine.sampling import KeyStream, probabilities, sample
 
 #: positions a batched KV cache grows by when full (mlx-lm's default is 256)
@@ -45,8 +46,9 @@ class DecodeBatch(Protocol):
     def fits(self, state: ModelState) -> bool:
         """Whether ``state`` may join without making the batch wasteful."""
 
-    def join(self, states: list[ModelState]) -> None:
-        """Append rows, in order."""
+    def join(self, states: list[ModelState], rooms: list[int] | None = None) -> None:
+        """Append rows, in order; ``rooms``: the positions each may still add (its
+        remaining tokens), which a batch may reserve now rather than grow later."""
 
     def keep(self, indices: list[int]) -> None:
         """Keep only these rows (non-empty, ascending), in order."""
@@ -62,11 +64,24 @@ class DecodeBatch(Protocol):
 
 
 class CacheBatch:
-    """Rows of mlx-lm caches that ``merge`` into a batched form (``BatchKVCache``...)."""
+    """Rows of mlx-lm caches in a batched form.
 
-    def __init__(self, model: Module, states: list[PlainState]) -> None:
+    Full-attention ``KVCache`` layers batch as rings (``mlxserve.engine.ring_cache``):
+    rows join and leave in place, and nothing holds the batch twice. Other caches
+    (sliding windows, state-space layers...) ``merge`` into mlx-lm's batched caches
+    (``BatchKVCache``...), which copy the batch when a row joins or leaves.
+    """
+
+    def __init__(
+        self, model: Module, states: list[PlainState], rooms: list[int] | None = None
+    ) -> None:
         self.model = model
-        self.cache = self._merge(states)
+        self.ring: RingBatch | None = None
+        if all(ring_capable(state.cache) for state in states):
+            self.ring = RingBatch([s.cache for s in states], _rooms(rooms, len(states)))
+            self.cache: list[Any] = list(self.ring.layers)
+        else:
+            self.cache = self._merge(states)
         self.lengths = [state.offset for state in states]
 
     @staticmethod
@@ -89,26 +104,36 @@ class CacheBatch:
         real = sum(self.lengths) + state.offset
         return longest <= FREE_PADDED_LENGTH or padded <= MAX_PADDING_RATIO * max(real, 1)
 
-    def join(self, states: list[ModelState]) -> None:
+    def join(self, states: list[ModelState], rooms: list[int] | None = None) -> None:
         plain = [s for s in states if isinstance(s, PlainState)]
         assert len(plain) == len(states)
-        for mine, theirs in zip(self.cache, self._merge(plain), strict=True):
-            mine.extend(theirs)
+        if self.ring is not None:
+            self.ring.join([s.cache for s in plain], _rooms(rooms, len(plain)))
+        else:
+            for mine, theirs in zip(self.cache, self._merge(plain), strict=True):
+                mine.extend(theirs)
         self.lengths += [state.offset for state in plain]
 
     def keep(self, indices: list[int]) -> None:
-        rows = mx.array(indices)
-        for cache in self.cache:
-            cache.filter(rows)
+        if self.ring is not None:
+            self.ring.keep(indices)
+        else:
+            rows = mx.array(indices)
+            for cache in self.cache:
+                cache.filter(rows)
         self.lengths = [self.lengths[i] for i in indices]
 
     def row_state(self, index: int) -> PlainState:
+        if self.ring is not None:
+            return PlainState(self.ring.extract(index))
         return PlainState([cache.extract(index) for cache in self.cache])
 
     def nbytes(self) -> int:
         return sum(int(getattr(cache, "nbytes", 0)) for cache in self.cache)
 
     def step(self, tokens: mx.array) -> mx.array:
+        if self.ring is not None:
+            self.ring.ensure_room()
         logits: mx.array = self.model(tokens[:, None], cache=self.cache)
         self.lengths = [length + 1 for length in self.lengths]
         return logits[:, -1]
@@ -127,7 +152,7 @@ class RowBatch:
     def fits(self, state: ModelState) -> bool:
         return True  # no padding
 
-    def join(self, states: list[ModelState]) -> None:
+    def join(self, states: list[ModelState], rooms: list[int] | None = None) -> None:
         self.states += states
 
     def keep(self, indices: list[int]) -> None:
@@ -170,7 +195,7 @@ class MTPRowBatch(RowBatch):
         self._fed: list[mx.array] = []  # per step, the tokens fed [B]
         self.join(states)
 
-    def join(self, states: list[ModelState]) -> None:
+    def join(self, states: list[ModelState], rooms: list[int] | None = None) -> None:
         self.flush()
         for state in states:
             _fold_carry(self.model, state)
@@ -342,8 +367,15 @@ def _sample_rows(logits: mx.array, params: list[SamplingParams], keys: list[KeyS
     ).astype(mx.int32)
 
 
-def new_batch(adapter: ModelAdapter, states: list[ModelState]) -> DecodeBatch | None:
-    """A batch of ``states`` when the adapter's model and caches allow one, else None."""
+def _rooms(rooms: list[int] | None, count: int) -> list[int | None]:
+    return [None] * count if rooms is None else list(rooms)
+
+
+def new_batch(
+    adapter: ModelAdapter, states: list[ModelState], rooms: list[int] | None = None
+) -> DecodeBatch | None:
+    """A batch of ``states`` when the adapter's model and caches allow one, else None
+    (``rooms``: as in ``DecodeBatch.join``)."""
     model = getattr(adapter, "model", None)
     if model is None or not states:
         return None
@@ -364,7 +396,7 @@ def new_batch(adapter: ModelAdapter, states: list[ModelState]) -> DecodeBatch | 
     if all(_rows_capable(s.cache) for s in plain):
         return RowBatch(model, plain)
     if all(callable(getattr(c, "merge", None)) for s in plain for c in s.cache):
-        return CacheBatch(model, plain)
+        return CacheBatch(model, plain, rooms)
     return None
 
 

@@ -199,10 +199,10 @@ class Runner:
             for batch in self.batches:
                 if can_join(batch.state, state) and batch.state.fits(state):
                     self._materialize(batch)
-                    batch.state.join([state])
+                    batch.state.join([state], [sequence.budget])
                     break
             else:
-                created = new_batch(self.adapter, [state])
+                created = new_batch(self.adapter, [state], [sequence.budget])
                 if created is None:
                     return False
                 batch = _Batch(created, [])
