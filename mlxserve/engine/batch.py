@@ -46,9 +46,12 @@ class DecodeBatch(Protocol):
     def fits(self, state: ModelState) -> bool:
         """Whether ``state`` may join without making the batch wasteful."""
 
-    def join(self, states: list[ModelState], rooms: list[int] | None = None) -> None:
-        """Append rows, in order; ``rooms``: the positions each may still add (its
-        remaining tokens), which a batch may reserve now rather than grow later."""
+    def join(
+        self, states: list[ModelState], rooms: list[int] | None = None, expected: int = 0
+    ) -> None:
+        """Append rows, in order. Hints a batch may allocate for now rather than grow
+        later (a copy): ``rooms``, the positions each row may still add (its remaining
+        tokens); ``expected``, the rows the batch may soon hold (requests running)."""
 
     def keep(self, indices: list[int]) -> None:
         """Keep only these rows (non-empty, ascending), in order."""
@@ -73,12 +76,17 @@ class CacheBatch:
     """
 
     def __init__(
-        self, model: Module, states: list[PlainState], rooms: list[int] | None = None
+        self,
+        model: Module,
+        states: list[PlainState],
+        rooms: list[int] | None = None,
+        expected: int = 0,
     ) -> None:
         self.model = model
         self.ring: RingBatch | None = None
         if all(ring_capable(state.cache) for state in states):
-            self.ring = RingBatch([s.cache for s in states], _rooms(rooms, len(states)))
+            caches = [s.cache for s in states]
+            self.ring = RingBatch(caches, _rooms(rooms, len(states)), expected)
             self.cache: list[Any] = list(self.ring.layers)
         else:
             self.cache = self._merge(states)
@@ -104,11 +112,13 @@ class CacheBatch:
         real = sum(self.lengths) + state.offset
         return longest <= FREE_PADDED_LENGTH or padded <= MAX_PADDING_RATIO * max(real, 1)
 
-    def join(self, states: list[ModelState], rooms: list[int] | None = None) -> None:
+    def join(
+        self, states: list[ModelState], rooms: list[int] | None = None, expected: int = 0
+    ) -> None:
         plain = [s for s in states if isinstance(s, PlainState)]
         assert len(plain) == len(states)
         if self.ring is not None:
-            self.ring.join([s.cache for s in plain], _rooms(rooms, len(plain)))
+            self.ring.join([s.cache for s in plain], _rooms(rooms, len(plain)), expected)
         else:
             for mine, theirs in zip(self.cache, self._merge(plain), strict=True):
                 mine.extend(theirs)
@@ -152,7 +162,9 @@ class RowBatch:
     def fits(self, state: ModelState) -> bool:
         return True  # no padding
 
-    def join(self, states: list[ModelState], rooms: list[int] | None = None) -> None:
+    def join(
+        self, states: list[ModelState], rooms: list[int] | None = None, expected: int = 0
+    ) -> None:
         self.states += states
 
     def keep(self, indices: list[int]) -> None:
@@ -195,7 +207,9 @@ class MTPRowBatch(RowBatch):
         self._fed: list[mx.array] = []  # per step, the tokens fed [B]
         self.join(states)
 
-    def join(self, states: list[ModelState], rooms: list[int] | None = None) -> None:
+    def join(
+        self, states: list[ModelState], rooms: list[int] | None = None, expected: int = 0
+    ) -> None:
         self.flush()
         for state in states:
             _fold_carry(self.model, state)
@@ -372,10 +386,13 @@ def _rooms(rooms: list[int] | None, count: int) -> list[int | None]:
 
 
 def new_batch(
-    adapter: ModelAdapter, states: list[ModelState], rooms: list[int] | None = None
+    adapter: ModelAdapter,
+    states: list[ModelState],
+    rooms: list[int] | None = None,
+    expected: int = 0,
 ) -> DecodeBatch | None:
     """A batch of ``states`` when the adapter's model and caches allow one, else None
-    (``rooms``: as in ``DecodeBatch.join``)."""
+    (``rooms``, ``expected``: as in ``DecodeBatch.join``)."""
     model = getattr(adapter, "model", None)
     if model is None or not states:
         return None
@@ -396,7 +413,7 @@ def new_batch(
     if all(_rows_capable(s.cache) for s in plain):
         return RowBatch(model, plain)
     if all(callable(getattr(c, "merge", None)) for s in plain for c in s.cache):
-        return CacheBatch(model, plain, rooms)
+        return CacheBatch(model, plain, rooms, expected)
     return None
 
 

@@ -180,10 +180,14 @@ def _need(state_caches: list[KVCache], room: int | None) -> int:
 class RingBatch:
     """The ring caches of every layer, with the operations that change membership."""
 
-    def __init__(self, states: list[list[KVCache]], rooms: list[int | None]) -> None:
-        capacity = max(1, 1 << (len(states) - 1).bit_length())
-        columns = _round_up(max(_need(s, r) for s, r in zip(states, rooms, strict=True)), 32)
-        self.layers = [_layer_of(cache, capacity, columns) for cache in states[0]]
+    def __init__(
+        self, states: list[list[KVCache]], rooms: list[int | None], expected: int = 0
+    ) -> None:
+        capacity = max(len(states), expected)
+        need = max(_need(s, r) for s, r in zip(states, rooms, strict=True))
+        self.layers = [
+            _layer_of(cache, capacity, _round_up(need, COLUMN_STEP)) for cache in states[0]
+        ]
         mx.eval([layer.state for layer in self.layers])
         self.join(states, rooms)
 
@@ -195,11 +199,11 @@ class RingBatch:
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
-    def _grow(self, rows: int, need: int) -> None:
+    def _grow(self, rows: int, need: int, expected: int = 0) -> None:
         first = self.layers[0]
         capacity, columns = first.capacity, first.columns
         if rows > capacity:
-            capacity = 1 << (rows - 1).bit_length()
+            capacity = max(rows, expected, 2 * capacity)
         if need > columns:
             columns = _round_up(need, COLUMN_STEP)
         if (capacity, columns) == (first.capacity, first.columns):
@@ -208,14 +212,16 @@ class RingBatch:
             layer._resized(capacity, columns)
             mx.eval(layer.state)  # one layer at a time: the old one goes before the next
 
-    def join(self, states: list[list[KVCache]], rooms: list[int | None]) -> None:
+    def join(self, states: list[list[KVCache]], rooms: list[int | None], expected: int = 0) -> None:
+        """Add rows (``rooms``: the positions each may still add; ``expected``: the rows
+        the batch may soon hold, allocated at once if it must grow)."""
         # A step still running holds the buffers; in-place writes wait for it (else
         # MLX would copy the buffer rather than write into one in use).
         mx.synchronize()
         need = max(_need(s, r) for s, r in zip(states, rooms, strict=True))
         # Every live row's positions must stay clear of the columns written next.
         need = max(need, max(self.layers[0].lengths, default=0) + 1)
-        self._grow(self.layers[0].rows + len(states), need)
+        self._grow(self.layers[0].rows + len(states), need, expected)
         for state in states:
             for layer, cache in zip(self.layers, state, strict=True):
                 layer._place(layer.rows, cache)
