@@ -203,7 +203,8 @@ class RingBatch:
         first = self.layers[0]
         capacity, columns = first.capacity, first.columns
         if rows > capacity:
-            capacity = max(rows, expected, 2 * capacity)
+            # The requests running bound the rows (doubling could pass max_running).
+            capacity = max(rows, expected) if expected else max(rows, 2 * capacity)
         if need > columns:
             columns = _round_up(need, COLUMN_STEP)
         if (capacity, columns) == (first.capacity, first.columns):
