@@ -107,9 +107,13 @@ class PlainAdapter:
 
     def snapshot(self, state: ModelState) -> PlainState:
         """A copy; mlx-lm KV caches are copied at their length, not their allocation
-        (which grows 256 positions at a time), so a stored prefix costs what it holds."""
+        (which grows in steps), so a stored prefix costs what it holds."""
         assert isinstance(state, PlainState)
-        return PlainState([_compact_copy(cache) for cache in state.cache])
+        copy = PlainState([_compact_copy(cache) for cache in state.cache])
+        # Evaluated now: a lazy copy would keep the source's buffers alive (and stop
+        # the source's next in-place update, which then copies instead).
+        mx.eval([c.state for c in copy.cache])
+        return copy
 
     def nbytes(self, state: ModelState) -> int:
         assert isinstance(state, PlainState)

@@ -135,8 +135,13 @@ class CacheBatch:
 
     def row_state(self, index: int) -> PlainState:
         if self.ring is not None:
-            return PlainState(self.ring.extract(index))
-        return PlainState([cache.extract(index) for cache in self.cache])
+            state = PlainState(self.ring.extract(index))
+        else:
+            state = PlainState([cache.extract(index) for cache in self.cache])
+        # Evaluated now: lazily, the row's copy would hold the whole batch's buffers
+        # for as long as it is kept (in the prefix cache: until evicted).
+        mx.eval([c.state for c in state.cache])
+        return state
 
     def nbytes(self) -> int:
         if self.ring is not None:

@@ -196,6 +196,8 @@ class Engine:
 
     def run_once(self, block: bool = False) -> bool:
         """Take in new work and run at most one step; False when there was nothing to run."""
+        if self.scheduler.idle:
+            self._idle()  # before waiting for work: the next request starts a new period
         self._drain_inbox(block=block and self.scheduler.idle)
         plan = self.scheduler.next_step()
         if plan is None:

@@ -5,6 +5,8 @@ row joining or leaving must not build a second copy of the batch, and an engine
 serving eight requests must stay near its weights plus their caches.
 """
 
+import gc
+
 import mlx.core as mx
 import pytest
 from mlx.nn.layers.base import Module
@@ -135,6 +137,34 @@ def test_an_engine_serving_eight_requests_stays_near_weights_plus_caches(
     for request in requests:
         tokens = finished[request.request_id].tokens
         assert tokens == reference_greedy(llama_model, request.prompt_ids, request.max_tokens)
+    # The engine was idle in between: a small run's busy peak is its own; peak_bytes
+    # keeps the largest since start.
+    small = run_all(engine, [GenerationRequest("small", (5, 6), max_tokens=2)])["small"].memory
+    assert small is not None
+    assert small["busy_peak_bytes"] < memory["busy_peak_bytes"] <= small["peak_bytes"]
+    # Finished rows left copies in the prefix cache? None here; and nothing of the
+    # batch stays behind: the engine holds its weights again (and a few small arrays).
+    assert small["active_bytes"] - weights <= 2 * cache
+
+
+def test_rows_kept_for_reuse_do_not_keep_the_batch_alive(llama_model: Module) -> None:
+    """A finished row's final state goes to the prefix cache as a copy of its own
+    positions: once the batch is gone, the engine holds its weights and the prefix
+    cache's bytes, not the batch's buffers behind a lazy copy."""
+    gc.collect()
+    mx.synchronize()
+    before = mx.get_active_memory()  # the weights, and whatever earlier tests left
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(max_running=8))
+    requests = [
+        GenerationRequest(f"r{i}", tuple(range(3 + i, 30)), max_tokens=40) for i in range(6)
+    ]
+    finished = run_all(engine, requests)
+    assert engine.prefix_cache is not None and len(engine.prefix_cache) >= 6
+    assert finished["r0"].tokens
+    engine.run_once()  # idle: the batch has left
+    gc.collect()
+    mx.synchronize()
+    assert mx.get_active_memory() - before <= 1.1 * engine.prefix_cache.nbytes + 4096
 
 
 class _Done:
