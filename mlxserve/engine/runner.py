@@ -203,14 +203,18 @@ class Runner:
         """Put the sequence in a batch that fits it, or a new one; False if none can."""
         state = sequence.state
         assert state is not None
+        # Rows a batch may soon hold (it may allocate them at once): its own and the
+        # requests running outside any batch, this one included.
+        unbatched = len(self._live) - len(self._batch_of)
         try:
             for batch in self.batches:
                 if can_join(batch.state, state) and batch.state.fits(state):
                     self._materialize(batch)
-                    batch.state.join([state], [sequence.budget], len(self._live))
+                    expected = len(batch.rows) + unbatched
+                    batch.state.join([state], [sequence.budget], expected)
                     break
             else:
-                created = new_batch(self.adapter, [state], [sequence.budget], len(self._live))
+                created = new_batch(self.adapter, [state], [sequence.budget], unbatched)
                 if created is None:
                     return False
                 batch = _Batch(created, [])
