@@ -122,18 +122,23 @@ def test_an_engine_serving_eight_requests_stays_near_weights_plus_caches(
 ) -> None:
     """Eight requests join a batch one by one and leave it at different steps; the
     engine's reported peak of that busy period stays within 1.2x its weights plus
-    eight one-request caches (mlx-lm's batch caches peaked at 1.6x here)."""
+    eight one-request caches (mlx-lm's batch caches peaked at 1.34x here)."""
+    gc.collect()
+    mx.synchronize()
+    # MLX memory is the process's: what earlier tests left alive is not this engine's.
+    weights = sum(int(a.nbytes) for _, a in tree_flatten(llama_model.parameters()))
+    others = mx.get_active_memory() - weights
     config = EngineConfig(max_running=8, prefill_step=16, prefix_cache_entries=0)
     engine = Engine(PlainAdapter(llama_model), config)
     prompt = tuple(range(3, 40))
     alone = run_all(engine, [GenerationRequest("alone", prompt, max_tokens=48)])
     cache = alone["alone"].memory["cache_bytes"]  # type: ignore[index]
-    weights = sum(int(a.nbytes) for _, a in tree_flatten(llama_model.parameters()))
     requests = [GenerationRequest(f"r{i}", prompt[i:], max_tokens=48 - 3 * i) for i in range(8)]
     finished = run_all(engine, requests)
     memory = finished["r0"].memory
     assert memory is not None
-    assert memory["busy_peak_bytes"] <= 1.2 * (weights + 8 * cache), (memory, weights, cache)
+    peak = memory["busy_peak_bytes"] - others
+    assert peak <= 1.2 * (weights + 8 * cache), (memory, others, weights, cache)
     for request in requests:
         tokens = finished[request.request_id].tokens
         assert tokens == reference_greedy(llama_model, request.prompt_ids, request.max_tokens)
@@ -144,7 +149,7 @@ def test_an_engine_serving_eight_requests_stays_near_weights_plus_caches(
     assert small["busy_peak_bytes"] < memory["busy_peak_bytes"] <= small["peak_bytes"]
     # Finished rows left copies in the prefix cache? None here; and nothing of the
     # batch stays behind: the engine holds its weights again (and a few small arrays).
-    assert small["active_bytes"] - weights <= 2 * cache
+    assert small["active_bytes"] - others - weights <= 2 * cache
 
 
 def test_rows_kept_for_reuse_do_not_keep_the_batch_alive(llama_model: Module) -> None:
