@@ -6,8 +6,9 @@
 For 1, 2, 4, 8 and 16 concurrent streaming clients (each sending `--requests`
 requests one after the other), it measures aggregate tokens/s, time to first
 token (TTFT) p50/p95 and inter-token latency (ITL, the gap between streamed
-chunks) p50/p95, and for mlxserve the engine's MLX memory (peak since start,
-the weights, one request's caches: `memory` in each level):
+chunks) p50/p95, and for mlxserve the engine's MLX memory (`memory` in each
+level: its peak during the level, the weights, one request's caches, the prefix
+cache; `memory_before`: the same after the level's warm-up):
 
 - `comparison`: mlxserve and mlx_lm.server serving the same model in the same
   run, and their ratios (mlxserve / mlx_lm). mlx_lm.server cannot load the
@@ -19,8 +20,9 @@ the weights, one request's caches: `memory` in each level):
 
 `targets` holds the ratios the continuous-batching issue asks for: mlxserve over
 mlx_lm.server tok/s at every level and ITL p50 at 8 clients, the demo's tok/s
-at 4 (and 8) clients over one client, and the engine's peak memory at 8 clients
-over the weights plus eight one-request caches. `machine` records the device
+at 4 (and 8) clients over one client, and the engine's peak memory during the
+8-client level over the weights plus eight one-request caches (`memory_ratio`
+says what is counted). `machine` records the device
 MLX ran on (the servers run on the same default device).
 
 Greedy decoding; mlxserve gets `ignore_eos` so every request generates
@@ -223,13 +225,16 @@ def measure(
     for n in levels:
         # Untimed warm-up at this concurrency: kernels for its batch shapes (MLX CUDA
         # compiles on first use) and the allocator's buffers exist before timing.
+        warm: dict[str, Any] = {"memory": None}
         try:
-            asyncio.run(run_level(server, n, 1, 8, extra))
+            warm = asyncio.run(run_level(server, n, 1, 8, extra))
         except httpx.HTTPError as exc:
             print(f"warm-up at {n} clients failed: {exc!r}\n{server.tail()}", file=sys.stderr)
             server.wait_ready()
         try:
-            results.append(asyncio.run(run_level(server, n, requests, max_tokens, extra)))
+            result = asyncio.run(run_level(server, n, requests, max_tokens, extra))
+            result["memory_before"] = warm["memory"]
+            results.append(result)
         except httpx.HTTPError as exc:
             print(f"{n} clients failed: {exc!r}\n{server.tail()}", file=sys.stderr)
             results.append({"clients": n, "error": repr(exc), "memory": None, **NO_RESULT})
@@ -280,28 +285,35 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def memory_ratio(results: list[dict[str, Any]], clients: int) -> dict[str, Any] | None:
-    """Peak (since start, so over levels up to ``clients``) over weights + n caches.
+    """The level's peak over the weights plus ``clients`` one-request caches.
 
-    One request's caches are those the engine reported at one client (its share of
-    the batch's caches at its end: the longest they get in this benchmark).
+    The peak is the engine's ``busy_peak_bytes``: MLX's peak since the engine was
+    last idle, which it is after the untimed warm-up, so it is the timed level's
+    own peak (not one from loading, calibration or another level). One request's
+    caches are what the engine reported at one client (its decode caches at its
+    end: the longest they get here). The prefix cache is memory of its own,
+    bounded by ``[engine] prefix_cache_mb``: ``ratio`` leaves out what it held when
+    the level began (``prefix_cache_bytes``; entries it adds during the level stay
+    in the peak), ``ratio_with_prefix_cache`` counts all of it in the peak.
     """
     one, many = level(results, 1), level(results, clients)
     if not one or not many or not one["memory"] or not many["memory"]:
         return None
     weights = one["memory"].get("weights_bytes", 0)
     cache = one["memory"].get("cache_bytes", 0)
-    peak = many["memory"].get("peak_bytes", 0)
-    prefix = many["memory"].get("prefix_cache_bytes", 0)
+    memory = many["memory"]
+    peak = memory.get("busy_peak_bytes", memory.get("peak_bytes", 0))
+    before = many.get("memory_before") or memory
+    prefix = min(before.get("prefix_cache_bytes", 0), memory.get("prefix_cache_bytes", 0))
     budget = weights + clients * cache
     return {
         "peak_bytes": peak,
         "weights_bytes": weights,
         "one_request_cache_bytes": cache,
         "weights_plus_caches_bytes": budget,
-        "ratio": round(peak / budget, 3) if budget else None,
-        # The prefix cache is memory of its own (bounded by [engine] prefix_cache_mb).
         "prefix_cache_bytes": prefix,
-        "ratio_without_prefix_cache": round((peak - prefix) / budget, 3) if budget else None,
+        "ratio": round((peak - prefix) / budget, 3) if budget else None,
+        "ratio_with_prefix_cache": round(peak / budget, 3) if budget else None,
     }
 
 

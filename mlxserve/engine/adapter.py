@@ -49,9 +49,15 @@ def _compact_copy(cache: Any) -> Any:
     return out
 
 
+#: positions a plain KV cache grows by past its reservation (mlx-lm grows by 256)
+GROWTH_STEP = 64
+
+
 class PlainState:
     def __init__(self, cache: list[Any]) -> None:
         self.cache = cache
+        # Positions the caches are allocated for at their next growth (``reserve``).
+        self.reserved = 0
 
     @property
     def offset(self) -> int:
@@ -69,21 +75,45 @@ class PlainAdapter:
     def new_state(self, max_rollback: int) -> PlainState:
         return PlainState(make_prompt_cache(self.model))
 
+    def reserve(self, state: ModelState, positions: int) -> None:
+        """Let the caches hold ``positions`` in all (the prompt) without growing again.
+
+        mlx-lm's ``KVCache`` grows by concatenating: the old and the new buffer live
+        together, and each prefill chunk past the allocation would copy the sequence
+        once more. Reserved, its first growth allocates the whole prompt, and later
+        ones ``GROWTH_STEP`` positions.
+        """
+        assert isinstance(state, PlainState)
+        state.reserved = positions
+
+    def _size_growth(self, state: PlainState) -> None:
+        for cache in state.cache:
+            if type(cache) is KVCache:
+                cache.step = max(GROWTH_STEP, state.reserved - cache.offset)
+
     def prefill(self, state: ModelState, tokens: list[int]) -> None:
         assert isinstance(state, PlainState)
+        self._size_growth(state)
+        # The logits are never evaluated: the graph of the cache states leaves out the
+        # head (and the last layer's MLP), so prefill computes no [tokens, vocab] array.
         self.model(mx.array(tokens)[None], cache=state.cache)
         mx.eval([c.state for c in state.cache])
 
     def step(self, state: ModelState, tokens: mx.array) -> mx.array:
         assert isinstance(state, PlainState)
+        self._size_growth(state)
         logits: mx.array = self.model(tokens[None], cache=state.cache)
         return logits[0, -1]
 
     def snapshot(self, state: ModelState) -> PlainState:
         """A copy; mlx-lm KV caches are copied at their length, not their allocation
-        (which grows 256 positions at a time), so a stored prefix costs what it holds."""
+        (which grows in steps), so a stored prefix costs what it holds."""
         assert isinstance(state, PlainState)
-        return PlainState([_compact_copy(cache) for cache in state.cache])
+        copy = PlainState([_compact_copy(cache) for cache in state.cache])
+        # Evaluated now: a lazy copy would keep the source's buffers alive (and stop
+        # the source's next in-place update, which then copies instead).
+        mx.eval([c.state for c in copy.cache])
+        return copy
 
     def nbytes(self, state: ModelState) -> int:
         assert isinstance(state, PlainState)

@@ -32,6 +32,7 @@ from mlxserve.engine.draft_choice import ChosenRound
 from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly
 from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.ring_cache import RingBatch, ring_capable
 from mlxserve.engine.sampling import KeyStream, probabilities, sample
 
 #: positions a batched KV cache grows by when full (mlx-lm's default is 256)
@@ -50,8 +51,12 @@ class DecodeBatch(Protocol):
     def fits(self, state: ModelState) -> bool:
         """Whether ``state`` may join without making the batch wasteful."""
 
-    def join(self, states: list[ModelState]) -> None:
-        """Append rows, in order."""
+    def join(
+        self, states: list[ModelState], rooms: list[int] | None = None, expected: int = 0
+    ) -> None:
+        """Append rows, in order. Hints a batch may allocate for now rather than grow
+        later (a copy): ``rooms``, the positions each row may still add (its remaining
+        tokens); ``expected``, the rows the batch may soon hold (requests running)."""
 
     def keep(self, indices: list[int]) -> None:
         """Keep only these rows (non-empty, ascending), in order."""
@@ -67,11 +72,29 @@ class DecodeBatch(Protocol):
 
 
 class CacheBatch:
-    """Rows of mlx-lm caches that ``merge`` into a batched form (``BatchKVCache``...)."""
+    """Rows of mlx-lm caches in a batched form.
 
-    def __init__(self, model: Module, states: list[PlainState]) -> None:
+    Full-attention ``KVCache`` layers batch as rings (``mlxserve.engine.ring_cache``):
+    rows join and leave in place, and nothing holds the batch twice. Other caches
+    (sliding windows, state-space layers...) ``merge`` into mlx-lm's batched caches
+    (``BatchKVCache``...), which copy the batch when a row joins or leaves.
+    """
+
+    def __init__(
+        self,
+        model: Module,
+        states: list[PlainState],
+        rooms: list[int] | None = None,
+        expected: int = 0,
+    ) -> None:
         self.model = model
-        self.cache = self._merge(states)
+        self.ring: RingBatch | None = None
+        if all(ring_capable(state.cache) for state in states):
+            caches = [s.cache for s in states]
+            self.ring = RingBatch(caches, _rooms(rooms, len(states)), expected)
+            self.cache: list[Any] = list(self.ring.layers)
+        else:
+            self.cache = self._merge(states)
         self.lengths = [state.offset for state in states]
 
     @staticmethod
@@ -94,26 +117,46 @@ class CacheBatch:
         real = sum(self.lengths) + state.offset
         return longest <= FREE_PADDED_LENGTH or padded <= MAX_PADDING_RATIO * max(real, 1)
 
-    def join(self, states: list[ModelState]) -> None:
+    def join(
+        self, states: list[ModelState], rooms: list[int] | None = None, expected: int = 0
+    ) -> None:
         plain = [s for s in states if isinstance(s, PlainState)]
         assert len(plain) == len(states)
-        for mine, theirs in zip(self.cache, self._merge(plain), strict=True):
-            mine.extend(theirs)
+        if self.ring is not None:
+            self.ring.join([s.cache for s in plain], _rooms(rooms, len(plain)), expected)
+        else:
+            for mine, theirs in zip(self.cache, self._merge(plain), strict=True):
+                mine.extend(theirs)
         self.lengths += [state.offset for state in plain]
 
     def keep(self, indices: list[int]) -> None:
-        rows = mx.array(indices)
-        for cache in self.cache:
-            cache.filter(rows)
+        if self.ring is not None:
+            self.ring.keep(indices)
+        else:
+            rows = mx.array(indices)
+            for cache in self.cache:
+                cache.filter(rows)
         self.lengths = [self.lengths[i] for i in indices]
 
     def row_state(self, index: int) -> PlainState:
-        return PlainState([cache.extract(index) for cache in self.cache])
+        if self.ring is not None:
+            state = PlainState(self.ring.extract(index))
+        else:
+            state = PlainState([cache.extract(index) for cache in self.cache])
+        # Evaluated now: lazily, the row's copy would hold the whole batch's buffers
+        # for as long as it is kept (in the prefix cache: until evicted).
+        mx.eval([c.state for c in state.cache])
+        return state
 
     def nbytes(self) -> int:
+        if self.ring is not None:
+            # The rows' slots; free slots (rows the ring was sized for) are not a row's.
+            return self.ring.nbytes // self.ring.layers[0].capacity * len(self)
         return sum(int(getattr(cache, "nbytes", 0)) for cache in self.cache)
 
     def step(self, tokens: mx.array) -> mx.array:
+        if self.ring is not None:
+            self.ring.ensure_room()
         logits: mx.array = self.model(tokens[:, None], cache=self.cache)
         self.lengths = [length + 1 for length in self.lengths]
         return logits[:, -1]
@@ -141,7 +184,9 @@ class RowBatch:
     def fits(self, state: ModelState) -> bool:
         return True  # no padding
 
-    def join(self, states: list[ModelState]) -> None:
+    def join(
+        self, states: list[ModelState], rooms: list[int] | None = None, expected: int = 0
+    ) -> None:
         if self._stacked is not None:
             joining = _stack([s.cache for s in states])  # type: ignore[attr-defined]
             ok = joining is not None and all(
@@ -212,10 +257,14 @@ class MTPRowBatch(RowBatch):
     every row in one MTP forward over the backlog, which restores the state
     invariant of ``mtp_adapter`` (the MTP cache holds every position but the last,
     ``carry`` is the last position's streams) before a row leaves or the batch
-    changes, and every ``MAX_BACKLOG`` steps so the backlog stays small.
+    changes, and every ``MAX_BACKLOG`` steps, or sooner when the backlog holds
+    ``MAX_BACKLOG_TOKENS`` (rows x steps): a flush's activations grow with the tokens
+    it runs, and at 8 rows a 16-step flush held 0.8 MB on the demo, a quarter of its
+    weights, for caches of 0.3 MB.
     """
 
     MAX_BACKLOG = 16
+    MAX_BACKLOG_TOKENS = 32
 
     def __init__(self, model: Any, states: list[Any]) -> None:
         super().__init__(model, [])
@@ -224,7 +273,9 @@ class MTPRowBatch(RowBatch):
         self._fed: list[mx.array] = []  # per step, the tokens fed [B]
         self.join(states)
 
-    def join(self, states: list[ModelState]) -> None:
+    def join(
+        self, states: list[ModelState], rooms: list[int] | None = None, expected: int = 0
+    ) -> None:
         self.flush()
         for state in states:
             _fold_carry(self.model, state)
@@ -246,7 +297,8 @@ class MTPRowBatch(RowBatch):
         self._fed.append(tokens)
         self._carry = streams[:, -1:]
         logits: mx.array = self.model.head_from_streams(self._carry)
-        if len(self._fed) >= self.MAX_BACKLOG:
+        steps = len(self._fed)
+        if steps >= self.MAX_BACKLOG or steps * len(self.states) >= self.MAX_BACKLOG_TOKENS:
             self.flush()
         return logits[:, -1]
 
@@ -433,8 +485,18 @@ def _draft_rows(
     )
 
 
-def new_batch(adapter: ModelAdapter, states: list[ModelState]) -> DecodeBatch | None:
-    """A batch of ``states`` when the adapter's model and caches allow one, else None."""
+def _rooms(rooms: list[int] | None, count: int) -> list[int | None]:
+    return [None] * count if rooms is None else list(rooms)
+
+
+def new_batch(
+    adapter: ModelAdapter,
+    states: list[ModelState],
+    rooms: list[int] | None = None,
+    expected: int = 0,
+) -> DecodeBatch | None:
+    """A batch of ``states`` when the adapter's model and caches allow one, else None
+    (``rooms``, ``expected``: as in ``DecodeBatch.join``)."""
     model = getattr(adapter, "model", None)
     if model is None or not states:
         return None
@@ -455,7 +517,7 @@ def new_batch(adapter: ModelAdapter, states: list[ModelState]) -> DecodeBatch | 
     if all(_rows_capable(s.cache) for s in plain):
         return RowBatch(model, plain)
     if all(callable(getattr(c, "merge", None)) for s in plain for c in s.cache):
-        return CacheBatch(model, plain)
+        return CacheBatch(model, plain, rooms, expected)
     return None
 
 

@@ -154,6 +154,10 @@ class Engine:
         self.current_step: StepPlan | None = None
         self.step_started_at = 0.0
         self.step_times = StepTimes()
+        # MLX's peak is reset whenever the engine goes idle (`_idle`): `busy_peak_bytes`
+        # is then the peak of the current busy period, `_serving_peak` the ones before.
+        self._serving_peak = 0
+        self._busy = False
 
     # -- client side (any thread) ------------------------------------------
 
@@ -192,12 +196,23 @@ class Engine:
 
     def run_once(self, block: bool = False) -> bool:
         """Take in new work and run at most one step; False when there was nothing to run."""
+        if self.scheduler.idle:
+            self._idle()  # before waiting for work: the next request starts a new period
         self._drain_inbox(block=block and self.scheduler.idle)
         plan = self.scheduler.next_step()
         if plan is None:
+            self._idle()
             return False
+        self._busy = True
         self._run(plan)
         return True
+
+    def _idle(self) -> None:
+        """Nothing runs: the busy period's peak memory is over (kept in the serving peak)."""
+        if self._busy:
+            self._busy = False
+            self._serving_peak = max(self._serving_peak, int(mx.get_peak_memory()))
+            mx.reset_peak_memory()
 
     # -- follower ranks (their own loop: `lockstep.follow`) -------------------
 
@@ -388,9 +403,11 @@ class Engine:
         )
         speculative = sequence.stats.as_dict() if sequence.depth > 0 else None
         stream = self._streams.pop(sequence.request_id)
+        busy_peak = int(mx.get_peak_memory())
         memory = {
             "active_bytes": int(mx.get_active_memory()),
-            "peak_bytes": int(mx.get_peak_memory()),
+            "peak_bytes": max(self._serving_peak, busy_peak),
+            "busy_peak_bytes": busy_peak,
             "weights_bytes": self._weights_bytes,
             "cache_bytes": cache_bytes,
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,

@@ -200,8 +200,9 @@ class FinishEvent:
     usage: Usage
     speculative: dict[str, object] | None = None
     error: str | None = None
-    # The engine's memory when it finished (bytes): MLX active and peak memory, the
-    # model weights, and this request's share of the caches (for benchmarks).
+    # The engine's memory when it finished (bytes): MLX active memory, its peak since
+    # start and since the engine was last idle, the model weights, this request's share
+    # of the caches and the prefix cache's bytes (for benchmarks).
     memory: dict[str, int] | None = None
 
 

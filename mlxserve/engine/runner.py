@@ -53,6 +53,8 @@ class Runner:
         self._batch_of: dict[str, _Batch] = {}
         # Set by the engine when a request chooses its depth per round.
         self.chooser: DepthChooser | None = None
+        # Requests given a state and not yet released: the rows a batch may soon hold.
+        self._live: set[str] = set()
 
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
@@ -79,6 +81,7 @@ class Runner:
         """Give a starting request its model state: a prefix-cache hit or a fresh one."""
         if sequence.state is not None:
             return
+        self._live.add(sequence.request_id)
         hit = self.prefix_cache.lookup(sequence.prompt) if self.prefix_cache else None
         if hit is not None:
             sequence.state, sequence.prefilled = hit
@@ -86,6 +89,10 @@ class Runner:
         else:
             margin = max(sequence.depth, sequence.rollback)
             sequence.state = self.adapter.new_state(max_rollback=margin)
+        reserve = getattr(self.adapter, "reserve", None)
+        if reserve is not None:
+            # The prompt's caches are allocated once, for the whole prompt.
+            reserve(sequence.state, len(sequence.prompt))
 
     def settle(self) -> None:
         """Take finished (or cancelled) requests out of their batches, between steps.
@@ -102,6 +109,7 @@ class Runner:
     def release(self, sequence: Sequence) -> int:
         """A request finished: its share of the cache bytes; outside any batch, its
         final state is kept for reuse now (batched rows leave in ``settle``)."""
+        self._live.discard(sequence.request_id)
         batch = self._batch_of.get(sequence.request_id)
         if batch is not None:
             return batch.state.nbytes() // max(len(batch.rows), 1)
@@ -201,14 +209,18 @@ class Runner:
         """Put the sequence in a batch that fits it, or a new one; False if none can."""
         state = sequence.state
         assert state is not None
+        # Rows a batch may soon hold (it may allocate them at once): its own and the
+        # requests running outside any batch, this one included.
+        unbatched = len(self._live) - len(self._batch_of)
         try:
             for batch in self.batches:
                 if can_join(batch.state, state) and batch.state.fits(state):
                     self._materialize(batch)
-                    batch.state.join([state])
+                    expected = len(batch.rows) + unbatched
+                    batch.state.join([state], [sequence.budget], expected)
                     break
             else:
-                created = new_batch(self.adapter, [state])
+                created = new_batch(self.adapter, [state], [sequence.budget], unbatched)
                 if created is None:
                     return False
                 batch = _Batch(created, [])

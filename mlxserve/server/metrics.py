@@ -7,7 +7,14 @@ apps in one process and every number on /metrics belongs to this server.
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 #: what an engine reports with each finished request (``FinishEvent.memory``)
-MEMORY_KINDS = ("active_bytes", "peak_bytes", "weights_bytes", "cache_bytes", "prefix_cache_bytes")
+MEMORY_KINDS = (
+    "active_bytes",
+    "peak_bytes",
+    "busy_peak_bytes",
+    "weights_bytes",
+    "cache_bytes",
+    "prefix_cache_bytes",
+)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -83,8 +90,8 @@ class Metrics:
         self.engine_memory = Gauge(
             "mlxserve_engine_memory_bytes",
             "The engine's MLX memory at the last finished request: active, peak (since "
-            "start), weights, that request's share of the decode caches (cache) and the "
-            "prefix cache",
+            "start), busy_peak (since the engine was last idle), weights, that request's "
+            "share of the decode caches (cache) and the prefix cache",
             ["kind"],
             registry=r,
         )
