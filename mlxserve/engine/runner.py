@@ -131,22 +131,27 @@ class Runner:
         if sequence.chooser is not None:
             return self._choose(sequence, sequence.chooser)
         params = sequence.request.sampling
+        first: int | None = None
         if sequence.pending is None:
             sequence.pending = sample(self._first_logits(sequence), params, sequence.keys.next())
+            # Read at once: on a CPU `async_eval` computes the whole graph before it
+            # returns, so queuing the next forward first would hold the first token
+            # back by a step (TTFT). That forward is built below but left lazy.
+            first = token_id(sequence.pending)
             if sequence.depth > 0:
                 # Speculative requests take their first token plainly, then draft.
-                token = token_id(sequence.pending)
                 sequence.pending = None
-                return [token]
+                return [first]
         assert sequence.state is not None
         current = sequence.pending
         if sequence.budget > 1:
             logits = self.adapter.step(sequence.state, current.reshape(1))
             sequence.pending = sample(logits, params, sequence.keys.next())
-            mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+            if first is None:
+                mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
         else:
             sequence.pending = None
-        return [token_id(current)]
+        return [token_id(current) if first is None else first]
 
     def _choose(self, sequence: Sequence, chooser: TokenChooser) -> list[int]:
         """A step without pipelining: the chooser reads each token before the next."""
