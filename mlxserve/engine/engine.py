@@ -40,6 +40,7 @@ from mlxserve.engine.scheduler import Scheduler
 from mlxserve.engine.sequence import Phase, Sequence
 from mlxserve.engine.step_plan import StepPlan
 from mlxserve.engine.step_times import StepTimes
+from mlxserve.hardware.clock import cost_clock
 
 if TYPE_CHECKING:
     from mlxserve.engine.lockstep import LockstepLeader
@@ -292,7 +293,8 @@ class Engine:
         the calibration's forwards (and their collectives) line up on all ranks."""
         measure = getattr(self.adapter, "measure_costs", None)
         assert measure is not None, "an automatic depth needs an adapter with measure_costs"
-        costs = measure(tick=self._count_progress)
+        clock = cost_clock()
+        costs = measure(tick=self._count_progress, clock=clock)
         log.info(
             "speculative round costs (ms): plain %.2f, draft %.2f, verify %s",
             costs.plain * 1e3,
@@ -301,6 +303,7 @@ class Engine:
         )
         chooser = DepthChooser(max_depth=self.depth, calibrated=costs)
         self.runner.chooser = chooser
+        self.runner.clock = clock
         return chooser
 
     def _count_progress(self) -> None:

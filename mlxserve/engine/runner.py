@@ -11,6 +11,7 @@ copy of the batch. Speculative steps are delegated to the adapter.
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -46,8 +47,10 @@ class Runner:
         self.prefix_cache = prefix_cache
         self.batches: list[_Batch] = []
         self._batch_of: dict[str, _Batch] = {}
-        # Set by the engine when a request chooses its depth per round.
+        # Set by the engine when a request chooses its depth per round, with the
+        # clock that times rounds on this device (`mlxserve.hardware.clock`).
         self.chooser: DepthChooser | None = None
+        self.clock: Callable[[], float] = time.perf_counter
 
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
@@ -360,7 +363,7 @@ class Runner:
         assert sequence.state is not None and (sequence.generated or sequence.pending is not None)
         drafter = getattr(self.adapter, "speculate", None)
         if depth <= 0 or drafter is None:
-            started = time.perf_counter()
+            started = self.clock()
             if sequence.pending is None:
                 logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
                 sequence.pending = sample(logits, sequence.request.sampling, sequence.keys.next())
@@ -372,7 +375,7 @@ class Runner:
             sequence.stats.count_step(0)
             sequence.plain_streak += 1
             if clean and sequence.pending is not None:
-                self._observe(0, time.perf_counter() - started)
+                self._observe(0, self.clock() - started)
             return tokens
         first: list[int] = []
         if sequence.pending is not None:
@@ -386,14 +389,14 @@ class Runner:
             logits = self.adapter.step(sequence.state, mx.array([last]))
             token = sample(logits, sequence.request.sampling, sequence.keys.next())
             return [*first, token_id(token)]
-        started = time.perf_counter()
+        started = self.clock()
         tokens, drafted, accepted = drafter(
             sequence.state, last, depth, sequence.request.sampling, sequence.keys
         )
         if not first:
             # After plain steps the first draft also folds their MTP entries in: a
             # dearer round than the steady ones, so it is not timed.
-            self._observe(depth, time.perf_counter() - started)
+            self._observe(depth, self.clock() - started)
         sequence.stats.record(drafted, accepted)
         sequence.plain_streak = 0
         if self.chooser is not None:

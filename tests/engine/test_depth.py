@@ -4,7 +4,11 @@ import pytest
 
 from mlxserve.engine.depth import (
     EXPLORE_EVERY,
+    EXPLORED_ROUNDS,
+    MIN_OBSERVED,
     PROBE_EVERY,
+    RECHECK_EVERY,
+    UNSEEN_DISCOUNT,
     DepthChooser,
     choose_depth,
     conditional_acceptance,
@@ -75,8 +79,9 @@ def test_chooser_follows_observed_costs_and_probes() -> None:
     assert chooser.choose(bad, plain_streak=0) == 0
     assert chooser.choose(bad, plain_streak=PROBE_EVERY) == 1
     # Rounds observed to be far dearer than plain steps: plain decoding wins. The
-    # first time at each depth is dropped (it includes compiling kernels).
-    for _ in range(2):
+    # first time at each depth is dropped (it includes compiling kernels), and an
+    # observed time counts from MIN_OBSERVED on.
+    for _ in range(1 + MIN_OBSERVED):
         chooser.observe(0, 1.0)
         for depth in range(1, 6):
             chooser.observe(depth, 50.0)
@@ -93,10 +98,47 @@ def test_every_eighth_round_drafts_one_deeper() -> None:
     assert EXPLORE_EVERY == 8 and chooser.choose(stats, plain_streak=0) == 2
 
 
-def test_one_outlier_moves_the_estimate_at_most_twofold() -> None:
+def test_observed_round_times_are_a_median_that_ignores_an_outlier() -> None:
     chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
     chooser.observe(2, 99.0)  # first: dropped
-    assert 2 not in chooser.observed
     chooser.observe(2, 1.0)
     chooser.observe(2, 1000.0)
-    assert chooser.observed[2] == pytest.approx(1.2)  # 1 + 0.2 * (2 - 1)
+    assert 2 not in chooser.observed  # too few to replace the calibration
+    chooser.observe(2, 1.2)
+    assert chooser.observed[2] == pytest.approx(1.2)
+    assert chooser.costs().round(2) == pytest.approx(1.2)
+
+
+def test_an_explored_depth_is_not_explored_again() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    stats = SpeculativeStats()
+    for kept in (1, 1, 0, 1, 1, 0, 1):
+        stats.record(1, kept)
+    assert chooser.pick(stats, 0, 1) == (2, 1)  # depth 2 unknown: the 8th round explores it
+    for _ in range(EXPLORED_ROUNDS):
+        chooser.record(2, 1)  # position 2 reached often enough, and never kept
+    for _ in range(1 + MIN_OBSERVED):  # the first observation is dropped
+        chooser.observe(2, DEAR_VERIFY.round(2))
+    assert chooser.explored(2)
+    assert chooser.pick(stats, 0, 1) == (1, 1)
+
+
+def test_an_unseen_position_is_discounted_from_the_one_before() -> None:
+    chooser = DepthChooser(max_depth=3, calibrated=CHEAP_VERIFY)
+    for _ in range(1000):
+        chooser.record(1, 1)  # the first draft always kept; the second never drafted
+    first, second, third = chooser.prior()
+    assert first > 0.99
+    assert second == pytest.approx(first * UNSEEN_DISCOUNT)
+    assert third == pytest.approx(second * UNSEEN_DISCOUNT)
+
+
+def test_a_plain_request_reconsiders_only_every_few_steps() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
+    good = SpeculativeStats()
+    for _ in range(50):
+        good.record(3, 3)
+    # Between rechecks the depth stays 0 without any estimate computed...
+    assert chooser.pick(good, plain_streak=RECHECK_EVERY + 1, current=0) == (0, 0)
+    # ...and at a recheck the acceptance counts win.
+    assert chooser.pick(good, plain_streak=RECHECK_EVERY, current=0)[1] >= 3

@@ -1,0 +1,16 @@
+"""The clock that times model work: CPU time on a CPU device."""
+
+import time
+
+import mlx.core as mx
+
+from mlxserve.hardware.clock import cost_clock
+
+
+def test_a_cpu_device_is_timed_by_this_process_cpu_time() -> None:
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert cost_clock() is time.process_time
+    finally:
+        mx.set_default_device(previous)
