@@ -204,6 +204,10 @@ def main() -> None:
             "plain_step_ms": step * 1e3,
             "verify": {str(k): v / step for k, v in costs.verify.items()},
             "draft": costs.draft / step,
+            # A whole round as the engine runs it, and over its parts (verify + k drafts):
+            # what a round spends beyond its forwards.
+            "round": {str(k): v / step for k, v in costs.rounds.items()},
+            "round_over_parts": {str(k): v / costs.parts(k) for k, v in costs.rounds.items()},
         },
         "depth0_tok_s": rate0,
         "runs": [],
@@ -221,12 +225,12 @@ def main() -> None:
                 plain, engine, prompt, args.tokens, args.repeats
             )
             expected = sum(acceptance**j for j in range(depth + 1))
-            bound = expected * step / costs.round(depth)
+            bound = expected * step / costs.parts(depth)
             best = max(best, measured)
             spec = finish.speculative or {}
             realised = spec.get("acceptance_rate_per_depth") or []
             # The oracle's draws vary run to run: the bound at the acceptance it realised.
-            realised_bound = (1 + sum(realised)) * step / costs.round(depth)
+            realised_bound = (1 + sum(realised)) * step / costs.parts(depth)
             entry = {
                 "a": acceptance,
                 "k": depth,

@@ -41,10 +41,11 @@ PROBE_EVERY = 32
 RECHECK_EVERY = 8
 #: Every this many rounds, a request drafts one deeper than its choice while that depth
 #: is unexplored: it gets acceptance counts and measured round times instead of guesses.
-EXPLORE_EVERY = 8
-#: A depth counts as explored once its last position was reached this often (over the
-#: engine's requests) and its round time observed.
-EXPLORED_ROUNDS = 16
+EXPLORE_EVERY = 4
+#: A depth counts as explored once its round time is observed and its last position
+#: was reached this often (over the engine's requests), or it ran twice as many rounds
+#: (a position seldom reached adds little: no need to wait for its counts).
+EXPLORED_ROUNDS = 8
 #: How much better (relative rate) another depth must look to replace the current.
 SWITCH_MARGIN = 0.05
 #: Round times kept per depth; the estimate is their median (one slow round, a page
@@ -153,7 +154,9 @@ class DepthChooser:
     def explored(self, depth: int) -> bool:
         """Whether `depth`'s last draft position and round time are measured."""
         reached = self._at(self.history.reached_at_depth, depth - 1)
-        return reached >= EXPLORED_ROUNDS and depth in self.observed
+        rounds = self.history.steps_at_depth.get(depth, 0)
+        known = reached >= EXPLORED_ROUNDS or rounds >= 2 * EXPLORED_ROUNDS
+        return known and depth in self.observed
 
     def choose(self, stats: SpeculativeStats, plain_streak: int, batch_size: int = 1) -> int:
         return self.pick(stats, plain_streak, None, batch_size)[0]

@@ -296,10 +296,9 @@ class Engine:
         clock = cost_clock()
         costs = measure(tick=self._count_progress, clock=clock)
         log.info(
-            "speculative round costs (ms): plain %.2f, draft %.2f, verify %s",
+            "speculative round costs (ms): plain step %.2f, rounds %s",
             costs.plain * 1e3,
-            costs.draft * 1e3,
-            {k: round(v * 1e3, 2) for k, v in costs.verify.items()},
+            {k: round(costs.round(k) * 1e3, 2) for k in range(1, self.depth + 1)},
         )
         chooser = DepthChooser(max_depth=self.depth, calibrated=costs)
         self.runner.chooser = chooser

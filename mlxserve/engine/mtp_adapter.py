@@ -183,7 +183,7 @@ class MTPAdapter:
         timed by `clock`; `tick` after every probe."""
         from mlxserve.engine.round_costs import measure_round_costs
 
-        return measure_round_costs(self, tick=tick, clock=clock)
+        return measure_round_costs(self, tick=tick, clock=clock, parts=False)
 
     def snapshot(self, state: Any) -> MTPState:
         assert isinstance(state, MTPState)

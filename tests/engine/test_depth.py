@@ -88,14 +88,14 @@ def test_chooser_follows_observed_costs_and_probes() -> None:
     assert chooser.choose(good, plain_streak=0) == 0
 
 
-def test_every_eighth_round_drafts_one_deeper() -> None:
+def test_every_few_rounds_an_unexplored_depth_is_tried() -> None:
     chooser = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
     stats = SpeculativeStats()
-    for kept in (1, 1, 0, 1, 1, 0):
+    for kept in (1, 1, 0, 1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 2]:
         stats.record(1, kept)
     assert chooser.choose(stats, plain_streak=0) == 1
-    stats.record(1, 1)  # the 8th round comes next
-    assert EXPLORE_EVERY == 8 and chooser.choose(stats, plain_streak=0) == 2
+    stats.record(1, 1)  # the EXPLORE_EVERY-th round comes next
+    assert chooser.choose(stats, plain_streak=0) == 2
 
 
 def test_observed_round_times_are_a_median_that_ignores_an_outlier() -> None:
@@ -112,9 +112,9 @@ def test_observed_round_times_are_a_median_that_ignores_an_outlier() -> None:
 def test_an_explored_depth_is_not_explored_again() -> None:
     chooser = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
     stats = SpeculativeStats()
-    for kept in (1, 1, 0, 1, 1, 0, 1):
+    for kept in (1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 1]:
         stats.record(1, kept)
-    assert chooser.pick(stats, 0, 1) == (2, 1)  # depth 2 unknown: the 8th round explores it
+    assert chooser.pick(stats, 0, 1) == (2, 1)  # depth 2 unknown: this round explores it
     for _ in range(EXPLORED_ROUNDS):
         chooser.record(2, 1)  # position 2 reached often enough, and never kept
     for _ in range(1 + MIN_OBSERVED):  # the first observation is dropped
