@@ -3,8 +3,7 @@
 A round at depth k emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on
 average, where a_j is the chance that draft j is kept once drafts 1 .. j-1 were (the
 request's running acceptance per draft position), and costs round(k) seconds (the
-engine's measured costs: one verify forward of k + 1 tokens plus k draft forwards;
-round(0) is a plain step). `choose_depth` picks the k maximising E(k) / round(k), 0
+engine's measured cost of a whole round at depth k; round(0) is a plain step). `choose_depth` picks the k maximising E(k) / round(k), 0
 when no depth beats plain decoding.
 
 Estimates start from a prior (what earlier requests on this engine accepted; for a
@@ -12,10 +11,10 @@ position no request reached yet, the position before it, discounted) and move to
 request's own counts. A request decoding plainly probes depth 1 now and then, so an
 acceptance that rises is noticed. One that speculates drafts one deeper now and then,
 but only while that position's acceptance or that depth's round time is still
-unknown: once they are measured, exploring again would only cost rounds at a depth
-already judged worse. Round costs start from a calibration
-(`round_costs.measure_round_costs`) and follow the round times the engine observes,
-timed by `mlxserve.hardware.clock` (CPU time on a CPU device, where the wall clock
+unknown, and only if the estimate puts it near the chosen depth: once measured, or
+estimated far worse, exploring would only cost rounds at a depth judged worse.
+Round costs start from a calibration (`round_costs.measure_round_costs`) and follow
+the round times the engine observes, timed by `mlxserve.hardware.clock` (CPU time on a CPU device, where the wall clock
 counts other processes' turns and made the choice chase noise).
 """
 
@@ -42,6 +41,9 @@ RECHECK_EVERY = 8
 #: Every this many rounds, a request drafts one deeper than its choice while that depth
 #: is unexplored: it gets acceptance counts and measured round times instead of guesses.
 EXPLORE_EVERY = 4
+#: An unexplored depth is explored only if its estimated rate is within this share of
+#: the chosen depth's (the estimate is optimistic for an unseen position already).
+EXPLORE_WITHIN = 0.9
 #: A depth counts as explored once its round time is observed and its last position
 #: was reached this often (over the engine's requests), or it ran twice as many rounds
 #: (a position seldom reached adds little: no need to wait for its counts).
@@ -168,7 +170,8 @@ class DepthChooser:
         if current == 0 and plain_streak < PROBE_EVERY and plain_streak % RECHECK_EVERY:
             return 0, 0
         acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)
-        depth = choose_depth(acceptance, self.costs(), batch_size, self.max_depth, current)
+        costs = self.costs()
+        depth = choose_depth(acceptance, costs, batch_size, self.max_depth, current)
         if depth == 0:
             return (1 if plain_streak >= PROBE_EVERY else 0), 0
         rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
@@ -177,9 +180,17 @@ class DepthChooser:
             deeper <= self.max_depth
             and rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1
             and not self.explored(deeper)
+            and self._promising(acceptance, costs, depth, deeper)
         ):
             return deeper, depth
         return depth, depth
+
+    @staticmethod
+    def _promising(acceptance: Sequence[float], costs: RoundCosts, depth: int, other: int) -> bool:
+        """Whether `other` is estimated within EXPLORE_WITHIN of `depth`'s rate: one
+        estimated far worse is not worth rounds to measure."""
+        rate = expected_tokens(acceptance, depth) / costs.round(depth)
+        return expected_tokens(acceptance, other) / costs.round(other) >= EXPLORE_WITHIN * rate
 
     def record(self, drafted: int, accepted: int) -> None:
         self.history.record(drafted, accepted)

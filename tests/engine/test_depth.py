@@ -21,6 +21,8 @@ from mlxserve.engine.round_costs import RoundCosts
 CHEAP_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.02 * k for k in range(1, 6)}, draft=0.025)
 # A CPU-like round: verify grows with k, a draft costs a third of a step (3-layer demo).
 DEAR_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.3 * k for k in range(1, 6)}, draft=0.33)
+# Measured whole rounds where depth 2 comes close to depth 1 at middling acceptance.
+CLOSE = RoundCosts(plain=1.0, rounds={1: 1.5, 2: 1.9, 3: 2.6, 4: 3.3, 5: 4.0})
 
 
 def test_expected_tokens() -> None:
@@ -89,7 +91,7 @@ def test_chooser_follows_observed_costs_and_probes() -> None:
 
 
 def test_every_few_rounds_an_unexplored_depth_is_tried() -> None:
-    chooser = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
     stats = SpeculativeStats()
     for kept in (1, 1, 0, 1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 2]:
         stats.record(1, kept)
@@ -110,7 +112,7 @@ def test_observed_round_times_are_a_median_that_ignores_an_outlier() -> None:
 
 
 def test_an_explored_depth_is_not_explored_again() -> None:
-    chooser = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
     stats = SpeculativeStats()
     for kept in (1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 1]:
         stats.record(1, kept)
@@ -118,7 +120,7 @@ def test_an_explored_depth_is_not_explored_again() -> None:
     for _ in range(EXPLORED_ROUNDS):
         chooser.record(2, 1)  # position 2 reached often enough, and never kept
     for _ in range(1 + MIN_OBSERVED):  # the first observation is dropped
-        chooser.observe(2, DEAR_VERIFY.round(2))
+        chooser.observe(2, CLOSE.round(2))
     assert chooser.explored(2)
     assert chooser.pick(stats, 0, 1) == (1, 1)
 
@@ -142,3 +144,13 @@ def test_a_plain_request_reconsiders_only_every_few_steps() -> None:
     assert chooser.pick(good, plain_streak=RECHECK_EVERY + 1, current=0) == (0, 0)
     # ...and at a recheck the acceptance counts win.
     assert chooser.pick(good, plain_streak=RECHECK_EVERY, current=0)[1] >= 3
+
+
+def test_a_depth_estimated_far_worse_is_not_explored() -> None:
+    # Dear drafts and a first draft seldom kept: depth 2 is far behind depth 1.
+    costs = RoundCosts(plain=1.0, rounds={1: 1.05, 2: 2.5, 3: 4.0, 4: 5.5, 5: 7.0})
+    chooser = DepthChooser(max_depth=5, calibrated=costs)
+    stats = SpeculativeStats()
+    for kept in (1, 0, 1, 1, 0, 1, 1)[: EXPLORE_EVERY - 1]:
+        stats.record(1, kept)
+    assert chooser.pick(stats, 0, 1) == (1, 1)  # an exploration round, but not worth it
