@@ -3,8 +3,9 @@
 A round at depth k emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on
 average, where a_j is the chance that draft j is kept once drafts 1 .. j-1 were (the
 request's running acceptance per draft position), and costs round(k) seconds (the
-engine's measured cost of a whole round at depth k; round(0) is a plain step). `choose_depth` picks the k maximising E(k) / round(k), 0
-when no depth beats plain decoding.
+engine's measured cost of a whole round at depth k; round(0) is a plain step).
+`choose_depth` picks the k maximising E(k) / round(k), 0 when no depth beats plain
+decoding.
 
 Estimates start from a prior (what earlier requests on this engine accepted; for a
 position no request reached yet, the position before it, discounted) and move to the
@@ -14,8 +15,9 @@ but only while that position's acceptance or that depth's round time is still
 unknown, and only if the estimate puts it near the chosen depth: once measured, or
 estimated far worse, exploring would only cost rounds at a depth judged worse.
 Round costs start from a calibration (`round_costs.measure_round_costs`) and follow
-the round times the engine observes, timed by `mlxserve.hardware.clock` (CPU time on a CPU device, where the wall clock
-counts other processes' turns and made the choice chase noise).
+the round times the engine observes, timed by `mlxserve.hardware.clock` (CPU time
+on a CPU device, where the wall clock counts other processes' turns and made the
+choice chase noise).
 """
 
 import statistics
