@@ -14,10 +14,11 @@ acceptance that rises is noticed. One that speculates drafts one deeper now and 
 but only while that position's acceptance or that depth's round time is still
 unknown, and only if the estimate puts it near the chosen depth: once measured, or
 estimated far worse, exploring would only cost rounds at a depth judged worse.
-Round costs start from a calibration (`round_costs.measure_round_costs`) and follow
-the round times the engine observes, timed by `mlxserve.hardware.clock` (CPU time
-on a CPU device, where the wall clock counts other processes' turns and made the
-choice chase noise).
+Round costs start from a calibration (`round_costs.measure_round_costs`), its
+probes interleaved so they compare like with like, and on a GPU follow the round
+times the engine observes; timed by `mlxserve.hardware.clock` (CPU time on a CPU
+device, where the wall clock counts other processes' turns and made the choice
+chase noise; there observed times only scale the calibration, see that module).
 """
 
 import statistics
@@ -118,16 +119,21 @@ class DepthChooser:
     history: SpeculativeStats = field(default_factory=SpeculativeStats)
     seen: set[int] = field(default_factory=set)
     samples: dict[int, deque[float]] = field(default_factory=dict)
+    # Whether round times observed at different moments may be compared with each
+    # other (`mlxserve.hardware.clock.observed_times_comparable`).
+    follow_observed: bool = True
 
     def costs(self) -> RoundCosts:
-        """Calibrated costs, replaced by observed round times where there are some;
-        unobserved depths are scaled like the observed ones (a longer context, a
-        busier machine)."""
+        """Calibrated costs, replaced by observed round times where there are some
+        (with `follow_observed`); the others are scaled like the observed ones (a
+        longer context, a busier machine). Without `follow_observed` every depth is
+        scaled alike, so only the calibration ranks them."""
         ratios = [t / self.calibrated.round(k) for k, t in self.observed.items()]
         scale = sorted(ratios)[len(ratios) // 2] if ratios else 1.0
-        plain = self.observed.get(0, self.calibrated.plain * scale)
+        observed = self.observed if self.follow_observed else {}
+        plain = observed.get(0, self.calibrated.plain * scale)
         rounds = {
-            k: self.observed.get(k, self.calibrated.round(k) * scale)
+            k: observed.get(k, self.calibrated.round(k) * scale)
             for k in range(1, self.max_depth + 1)
         }
         # As a RoundCosts whose round(k) is the estimate: verify holds the whole round.

@@ -40,7 +40,7 @@ from mlxserve.engine.scheduler import Scheduler
 from mlxserve.engine.sequence import Phase, Sequence
 from mlxserve.engine.step_plan import StepPlan
 from mlxserve.engine.step_times import StepTimes
-from mlxserve.hardware.clock import cost_clock
+from mlxserve.hardware.clock import cost_clock, observed_times_comparable
 
 if TYPE_CHECKING:
     from mlxserve.engine.lockstep import LockstepLeader
@@ -300,7 +300,9 @@ class Engine:
             costs.plain * 1e3,
             {k: round(costs.round(k) * 1e3, 2) for k in range(1, self.depth + 1)},
         )
-        chooser = DepthChooser(max_depth=self.depth, calibrated=costs)
+        chooser = DepthChooser(
+            max_depth=self.depth, calibrated=costs, follow_observed=observed_times_comparable()
+        )
         self.runner.chooser = chooser
         self.runner.clock = clock
         return chooser

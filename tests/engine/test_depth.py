@@ -154,3 +154,17 @@ def test_a_depth_estimated_far_worse_is_not_explored() -> None:
     for kept in (1, 0, 1, 1, 0, 1, 1)[: EXPLORE_EVERY - 1]:
         stats.record(1, kept)
     assert chooser.pick(stats, 0, 1) == (1, 1)  # an exploration round, but not worth it
+
+
+def test_without_following_observed_times_only_the_calibration_ranks_depths() -> None:
+    good = SpeculativeStats()
+    for _ in range(50):
+        good.record(3, 3)
+    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY, follow_observed=False)
+    for _ in range(1 + MIN_OBSERVED):  # rounds timed in a busy spell, plain steps in a quiet one
+        chooser.observe(0, 1.0)
+        for depth in range(1, 6):
+            chooser.observe(depth, 50.0)
+    costs = chooser.costs()
+    assert costs.round(3) / costs.round(0) == pytest.approx(CHEAP_VERIFY.round(3))
+    assert chooser.choose(good, plain_streak=0) >= 3

@@ -4,7 +4,7 @@ import time
 
 import mlx.core as mx
 
-from mlxserve.hardware.clock import cost_clock
+from mlxserve.hardware.clock import cost_clock, observed_times_comparable
 
 
 def test_a_cpu_device_is_timed_by_this_process_cpu_time() -> None:
@@ -12,5 +12,14 @@ def test_a_cpu_device_is_timed_by_this_process_cpu_time() -> None:
     mx.set_default_device(mx.cpu)
     try:
         assert cost_clock() is time.process_time
+    finally:
+        mx.set_default_device(previous)
+
+
+def test_a_cpu_device_ranks_depths_by_the_calibration_only() -> None:
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        assert observed_times_comparable() is False
     finally:
         mx.set_default_device(previous)
