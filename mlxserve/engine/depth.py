@@ -34,8 +34,11 @@ NEUTRAL_ACCEPTANCE = 0.6
 #: A position no request has reached yet: the acceptance of the one before, times this
 #: (a draft further ahead is kept less often; an optimistic guess explored deep depths).
 UNSEEN_DISCOUNT = 0.85
-#: Weight of the prior, in rounds, against the request's own counts.
-PRIOR_ROUNDS = 4.0
+#: Weight of the prior, in rounds, against the request's own counts. Heavy: a reply's
+#: first tokens are the hardest to draft (the demo's first two depth-1 rounds were
+#: rejected on every request, at 0.85 acceptance after), and with a weight of 4
+#: those two rounds turned speculation off for the rest of the request.
+PRIOR_ROUNDS = 16.0
 #: A request decoding plainly tries depth 1 after this many plain steps.
 PROBE_EVERY = 32
 #: A request decoding plainly reconsiders its choice every this many plain steps (a

@@ -62,7 +62,7 @@ def test_a_large_batch_turns_speculation_off() -> None:
 def test_conditional_acceptance_moves_from_the_prior_to_the_counts() -> None:
     stats = SpeculativeStats()
     assert conditional_acceptance(stats, [0.6] * 3, 3) == pytest.approx([0.6] * 3)
-    for _ in range(200):
+    for _ in range(1000):
         stats.record(2, 1)  # the first draft always kept, the second never
     first, second, third = conditional_acceptance(stats, [0.6] * 3, 3)
     assert first > 0.97 and second < 0.03
@@ -76,7 +76,7 @@ def test_chooser_follows_observed_costs_and_probes() -> None:
         good.record(3, 3)
     assert chooser.choose(good, plain_streak=0) >= 3
     bad = SpeculativeStats()
-    for _ in range(50):
+    for _ in range(200):
         bad.record(1, 0)
     assert chooser.choose(bad, plain_streak=0) == 0
     assert chooser.choose(bad, plain_streak=PROBE_EVERY) == 1
@@ -168,3 +168,15 @@ def test_without_following_observed_times_only_the_calibration_ranks_depths() ->
     costs = chooser.costs()
     assert costs.round(3) / costs.round(0) == pytest.approx(CHEAP_VERIFY.round(3))
     assert chooser.choose(good, plain_streak=0) >= 3
+
+
+def test_a_hard_start_does_not_turn_speculation_off() -> None:
+    """The engine's requests kept most first drafts; this one's first two were
+    rejected (a reply's opening tokens are the hardest to draft): it keeps drafting."""
+    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
+    for _ in range(100):
+        chooser.record(1, 1 if _ % 7 else 0)  # about 0.86 kept
+    start = SpeculativeStats()
+    start.record(1, 0)
+    start.record(1, 0)
+    assert chooser.pick(start, 0, 1)[1] >= 1
