@@ -39,6 +39,9 @@ UNSEEN_DISCOUNT = 0.85
 #: rejected on every request, at 0.85 acceptance after), and with a weight of 4
 #: those two rounds turned speculation off for the rest of the request.
 PRIOR_ROUNDS = 16.0
+#: Weight, in rounds, of the neutral (or discounted) guess against the engine's history
+#: in the prior: light, the history is evidence from this model and machine.
+GUESS_ROUNDS = 4.0
 #: A request decoding plainly tries depth 1 after this many plain steps.
 PROBE_EVERY = 32
 #: A request decoding plainly reconsiders its choice every this many plain steps (a
@@ -53,7 +56,7 @@ EXPLORE_WITHIN = 0.9
 #: A depth counts as explored once its round time is observed and its last position
 #: was reached this often (over the engine's requests), or it ran twice as many rounds
 #: (a position seldom reached adds little: no need to wait for its counts).
-EXPLORED_ROUNDS = 8
+EXPLORED_ROUNDS = 16
 #: How much better (relative rate) another depth must look to replace the current.
 SWITCH_MARGIN = 0.05
 #: Round times kept per depth; the estimate is their median (one slow round, a page
@@ -161,7 +164,7 @@ class DepthChooser:
             previous = rates[-1] * UNSEEN_DISCOUNT if rates else NEUTRAL_ACCEPTANCE
             reached = self._at(self.history.reached_at_depth, position)
             kept = self._at(self.history.accepted_at_depth, position)
-            rates.append((kept + PRIOR_ROUNDS * previous) / (reached + PRIOR_ROUNDS))
+            rates.append((kept + GUESS_ROUNDS * previous) / (reached + GUESS_ROUNDS))
         return rates
 
     def explored(self, depth: int) -> bool:
