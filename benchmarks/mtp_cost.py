@@ -9,13 +9,17 @@ greedy token with probability a, else a wrong one (the MTP forwards still run; o
 their token is replaced). Per (a, k) it reports
 
 - measured: decode tok/s at depth k over depth 0 (plain, pipelined decoding), the
-  median of back-to-back pairs, after one untimed run per depth (on CUDA the first
-  use of a shape compiles kernels);
+  median of back-to-back pairs, after one untimed run per (a, k); every run of an
+  (a, k) replays the same oracle draws, so the timed runs take exactly the shapes
+  the untimed one did (on CUDA the first use of a shape compiles kernels);
 - bound: expected tokens per round / (verify(k) + k * draft), in plain steps, with
   E(k) = 1 + a + ... + a^k;
-- measured / bound (target >= 0.9).
+- measured / bound (target >= 0.9);
+- with the costs, a whole round as the engine runs it over its parts
+  (`round_over_parts`): what a round spends beyond its forwards.
 
 Run: python benchmarks/mtp_cost.py [--layers 43] [--tokens 96] [--repeats 3]
+                                   [--acceptance 0.5,0.7,0.85] [--depths 1,2,3,4,5]
 CPU, short: python benchmarks/mtp_cost.py --layers 8 --tokens 48 --repeats 1
 """
 
@@ -105,9 +109,15 @@ class OracleAdapter(MTPAdapter):
         super().__init__(model)
         self.reference = reference
         self.acceptance = acceptance
+        self.seed = seed
         self.rng = random.Random(seed)
         self.vocab = int(model.args.vocab_size)
         self.position = 0
+
+    def replay(self) -> None:
+        """The next run draws what the last one drew: the same rounds, so the same
+        shapes (on CUDA the warm-up run compiled the kernels of exactly those)."""
+        self.rng = random.Random(self.seed)
 
     def speculate(self, state: Any, last_token: int, *args: Any) -> tuple[list[int], int, int]:
         self.position = int(state.offset) + 1  # d_1 stands for token `offset + 1`
@@ -127,6 +137,8 @@ CLOCK = ["wall"]
 
 
 def one_run(engine: Engine, prompt: tuple[int, ...], tokens: int, name: str) -> Any:
+    if isinstance(engine.adapter, OracleAdapter):
+        engine.adapter.replay()
     done = run_to_completion(engine, GenerationRequest(name, prompt, tokens))
     if CLOCK[0] == "cpu":
         seconds = done.cpu_total_s - done.cpu_ttft_s
@@ -159,8 +171,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--tokens", type=int, default=96, help="tokens generated per run")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--acceptance", type=float, nargs="*", default=list(ACCEPTANCES))
-    parser.add_argument("--depths", type=int, nargs="*", default=list(DEPTHS))
+    parser.add_argument(
+        "--acceptance",
+        nargs="*",
+        default=[str(a) for a in ACCEPTANCES],
+        help="acceptances, space- or comma-separated: 0.5 0.7 or 0.5,0.7",
+    )
+    parser.add_argument("--depths", nargs="*", default=[str(k) for k in DEPTHS])
     parser.add_argument(
         "--clock",
         choices=["wall", "cpu"],
@@ -170,6 +187,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     CLOCK[0] = args.clock
+    try:
+        args.acceptance = [float(a) for a in ",".join(args.acceptance).split(",") if a]
+        args.depths = [int(k) for k in ",".join(args.depths).split(",") if k]
+    except ValueError as exc:
+        parser.error(f"--acceptance takes numbers, --depths integers: {exc}")
 
     started = time.perf_counter()
     model = flash_shaped(args.layers, args.hidden, args.experts, args.vocab)
@@ -204,6 +226,10 @@ def main() -> None:
             "plain_step_ms": step * 1e3,
             "verify": {str(k): v / step for k, v in costs.verify.items()},
             "draft": costs.draft / step,
+            # A whole round as the engine runs it, and over its parts (verify + k drafts):
+            # what a round spends beyond its forwards.
+            "round": {str(k): v / step for k, v in costs.rounds.items()},
+            "round_over_parts": {str(k): v / costs.parts(k) for k, v in costs.rounds.items()},
         },
         "depth0_tok_s": rate0,
         "runs": [],
@@ -215,18 +241,17 @@ def main() -> None:
         for depth in args.depths:
             adapter = OracleAdapter(model, reference, acceptance, seed=depth)
             engine = Engine(adapter, EngineConfig(speculative_depth=depth, prefix_cache_entries=0))
-            if acceptance == args.acceptance[0]:
-                one_run(engine, prompt, args.tokens, "warm-up")  # this depth's shapes
+            one_run(engine, prompt, args.tokens, "warm-up")  # the shapes the runs will take
             measured, rate, runs, finish = paired_speedup(
                 plain, engine, prompt, args.tokens, args.repeats
             )
             expected = sum(acceptance**j for j in range(depth + 1))
-            bound = expected * step / costs.round(depth)
+            bound = expected * step / costs.parts(depth)
             best = max(best, measured)
             spec = finish.speculative or {}
             realised = spec.get("acceptance_rate_per_depth") or []
             # The oracle's draws vary run to run: the bound at the acceptance it realised.
-            realised_bound = (1 + sum(realised)) * step / costs.round(depth)
+            realised_bound = (1 + sum(realised)) * step / costs.parts(depth)
             entry = {
                 "a": acceptance,
                 "k": depth,

@@ -3,18 +3,26 @@
 A round at depth k emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens on
 average, where a_j is the chance that draft j is kept once drafts 1 .. j-1 were (the
 request's running acceptance per draft position), and costs round(k) seconds (the
-engine's measured costs: one verify forward of k + 1 tokens plus k draft forwards;
-round(0) is a plain step). `choose_depth` picks the k maximising E(k) / round(k), 0
-when no depth beats plain decoding.
+engine's measured cost of a whole round at depth k; round(0) is a plain step).
+`choose_depth` picks the k maximising E(k) / round(k), 0 when no depth beats plain
+decoding.
 
-Estimates start from a prior (what earlier requests on this engine accepted, or a
-neutral guess) and move to the request's own counts; a request decoding plainly
-probes depth 1 now and then, so an acceptance that rises is noticed, and one
-that speculates drafts one deeper now and then, so the next depth is measured. Round costs
-start from a calibration (`round_costs.measure_round_costs`) and follow the round times
-the engine observes.
+Estimates start from a prior (what earlier requests on this engine accepted; for a
+position no request reached yet, the position before it, discounted) and move to the
+request's own counts. A request decoding plainly probes depth 1 now and then, so an
+acceptance that rises is noticed. One that speculates drafts one deeper now and then,
+but only while that position's acceptance or that depth's round time is still
+unknown, and only if the estimate puts it near the chosen depth: once measured, or
+estimated far worse, exploring would only cost rounds at a depth judged worse.
+Round costs start from a calibration (`round_costs.measure_round_costs`), its
+probes interleaved so they compare like with like, and on a GPU follow the round
+times the engine observes; timed by `mlxserve.hardware.clock` (CPU time on a CPU
+device, where the wall clock counts other processes' turns and made the choice
+chase noise; there observed times only scale the calibration, see that module).
 """
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,17 +31,39 @@ from mlxserve.engine.round_costs import RoundCosts
 
 #: Acceptance assumed for a draft position nothing is known about yet.
 NEUTRAL_ACCEPTANCE = 0.6
-#: Weight of the prior, in rounds, against the request's own counts.
-PRIOR_ROUNDS = 4.0
+#: A position no request has reached yet: the acceptance of the one before, times this
+#: (a draft further ahead is kept less often; an optimistic guess explored deep depths).
+UNSEEN_DISCOUNT = 0.85
+#: Weight of the prior, in rounds, against the request's own counts. Heavy: a reply's
+#: first tokens are the hardest to draft (the demo's first two depth-1 rounds were
+#: rejected on every request, at 0.85 acceptance after), and with a weight of 4
+#: those two rounds turned speculation off for the rest of the request.
+PRIOR_ROUNDS = 16.0
+#: Weight, in rounds, of the neutral (or discounted) guess against the engine's history
+#: in the prior: light, the history is evidence from this model and machine.
+GUESS_ROUNDS = 4.0
 #: A request decoding plainly tries depth 1 after this many plain steps.
 PROBE_EVERY = 32
-#: Every this many rounds, a request drafts one deeper than its choice: the depth
-#: beyond gets acceptance counts and measured round times instead of guesses.
-EXPLORE_EVERY = 8
+#: A request decoding plainly reconsiders its choice every this many plain steps (a
+#: decision per step would add host work to every plain step).
+RECHECK_EVERY = 8
+#: Every this many rounds, a request drafts one deeper than its choice while that depth
+#: is unexplored: it gets acceptance counts and measured round times instead of guesses.
+EXPLORE_EVERY = 4
+#: An unexplored depth is explored only if its estimated rate is within this share of
+#: the chosen depth's (the estimate is optimistic for an unseen position already).
+EXPLORE_WITHIN = 0.9
+#: A depth counts as explored once its round time is observed and its last position
+#: was reached this often (over the engine's requests), or it ran twice as many rounds
+#: (a position seldom reached adds little: no need to wait for its counts).
+EXPLORED_ROUNDS = 16
 #: How much better (relative rate) another depth must look to replace the current.
 SWITCH_MARGIN = 0.05
-#: Weight of a new observation in the running round times.
-SMOOTHING = 0.2
+#: Round times kept per depth; the estimate is their median (one slow round, a page
+#: fault or another process's turn, moves it not at all).
+OBSERVED_WINDOW = 9
+#: Observations a depth needs before its median replaces the calibrated estimate.
+MIN_OBSERVED = 3
 
 
 def expected_tokens(acceptance: Sequence[float], depth: int) -> float:
@@ -90,19 +120,26 @@ class DepthChooser:
 
     max_depth: int
     calibrated: RoundCosts
+    # depth -> median round time, once MIN_OBSERVED rounds were timed
     observed: dict[int, float] = field(default_factory=dict)
     history: SpeculativeStats = field(default_factory=SpeculativeStats)
     seen: set[int] = field(default_factory=set)
+    samples: dict[int, deque[float]] = field(default_factory=dict)
+    # Whether round times observed at different moments may be compared with each
+    # other (`mlxserve.hardware.clock.observed_times_comparable`).
+    follow_observed: bool = True
 
     def costs(self) -> RoundCosts:
-        """Calibrated costs, replaced by observed round times where there are some;
-        unobserved depths are scaled like the observed ones (a longer context, a
-        busier machine)."""
+        """Calibrated costs, replaced by observed round times where there are some
+        (with `follow_observed`); the others are scaled like the observed ones (a
+        longer context, a busier machine). Without `follow_observed` every depth is
+        scaled alike, so only the calibration ranks them."""
         ratios = [t / self.calibrated.round(k) for k, t in self.observed.items()]
         scale = sorted(ratios)[len(ratios) // 2] if ratios else 1.0
-        plain = self.observed.get(0, self.calibrated.plain * scale)
+        observed = self.observed if self.follow_observed else {}
+        plain = observed.get(0, self.calibrated.plain * scale)
         rounds = {
-            k: self.observed.get(k, self.calibrated.round(k) * scale)
+            k: observed.get(k, self.calibrated.round(k) * scale)
             for k in range(1, self.max_depth + 1)
         }
         # As a RoundCosts whose round(k) is the estimate: verify holds the whole round.
@@ -110,27 +147,32 @@ class DepthChooser:
 
     def observe(self, depth: int, seconds: float) -> None:
         """A measured step or round. The first at each depth is dropped (kernels for
-        its shapes compile on first use, on CUDA for hundreds of ms), and one outlier
-        moves the estimate by at most a factor of 2."""
+        its shapes compile on first use, on CUDA for hundreds of ms); the estimate is
+        the median of the last OBSERVED_WINDOW, from MIN_OBSERVED on."""
         if depth not in self.seen:
             self.seen.add(depth)
             return
-        old = self.observed.get(depth)
-        if old is None:
-            self.observed[depth] = seconds
-            return
-        seconds = min(max(seconds, old / 2), old * 2)
-        self.observed[depth] = old + SMOOTHING * (seconds - old)
+        window = self.samples.setdefault(depth, deque(maxlen=OBSERVED_WINDOW))
+        window.append(seconds)
+        if len(window) >= MIN_OBSERVED:
+            self.observed[depth] = statistics.median(window)
 
     def prior(self) -> list[float]:
         """Acceptance per position over the requests this engine has served so far."""
         rates: list[float] = []
         for position in range(self.max_depth):
-            previous = rates[-1] if rates else NEUTRAL_ACCEPTANCE
+            previous = rates[-1] * UNSEEN_DISCOUNT if rates else NEUTRAL_ACCEPTANCE
             reached = self._at(self.history.reached_at_depth, position)
             kept = self._at(self.history.accepted_at_depth, position)
-            rates.append((kept + PRIOR_ROUNDS * previous) / (reached + PRIOR_ROUNDS))
+            rates.append((kept + GUESS_ROUNDS * previous) / (reached + GUESS_ROUNDS))
         return rates
+
+    def explored(self, depth: int) -> bool:
+        """Whether `depth`'s last draft position and round time are measured."""
+        reached = self._at(self.history.reached_at_depth, depth - 1)
+        rounds = self.history.steps_at_depth.get(depth, 0)
+        known = reached >= EXPLORED_ROUNDS or rounds >= 2 * EXPLORED_ROUNDS
+        return known and depth in self.observed
 
     def choose(self, stats: SpeculativeStats, plain_streak: int, batch_size: int = 1) -> int:
         return self.pick(stats, plain_streak, None, batch_size)[0]
@@ -139,14 +181,30 @@ class DepthChooser:
         self, stats: SpeculativeStats, plain_streak: int, current: int | None, batch_size: int = 1
     ) -> tuple[int, int]:
         """(depth to run now, depth chosen): they differ on a probe or an exploration."""
+        if current == 0 and plain_streak < PROBE_EVERY and plain_streak % RECHECK_EVERY:
+            return 0, 0
         acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)
-        depth = choose_depth(acceptance, self.costs(), batch_size, self.max_depth, current)
+        costs = self.costs()
+        depth = choose_depth(acceptance, costs, batch_size, self.max_depth, current)
         if depth == 0:
             return (1 if plain_streak >= PROBE_EVERY else 0), 0
         rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
-        if rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            return min(depth + 1, self.max_depth), depth
+        deeper = depth + 1
+        if (
+            deeper <= self.max_depth
+            and rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1
+            and not self.explored(deeper)
+            and self._promising(acceptance, costs, depth, deeper)
+        ):
+            return deeper, depth
         return depth, depth
+
+    @staticmethod
+    def _promising(acceptance: Sequence[float], costs: RoundCosts, depth: int, other: int) -> bool:
+        """Whether `other` is estimated within EXPLORE_WITHIN of `depth`'s rate: one
+        estimated far worse is not worth rounds to measure."""
+        rate = expected_tokens(acceptance, depth) / costs.round(depth)
+        return expected_tokens(acceptance, other) / costs.round(other) >= EXPLORE_WITHIN * rate
 
     def record(self, drafted: int, accepted: int) -> None:
         self.history.record(drafted, accepted)

@@ -23,6 +23,7 @@ a few rows wide) and one sync.
 """
 
 import copy
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -217,12 +218,16 @@ class MTPAdapter:
         state.carry_tokens = [mx.array(emitted[:accepted])] if accepted else []
         return emitted, depth, accepted
 
-    def measure_costs(self, tick: Callable[[], None] = lambda: None) -> "RoundCosts":
-        """The costs the automatic depth starts from (`round_costs.measure_round_costs`);
-        `tick` after every probe."""
+    def measure_costs(
+        self,
+        tick: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> "RoundCosts":
+        """The costs the automatic depth starts from (`round_costs.measure_round_costs`),
+        timed by `clock`; `tick` after every probe."""
         from mlxserve.engine.round_costs import measure_round_costs
 
-        return measure_round_costs(self, tick=tick)
+        return measure_round_costs(self, tick=tick, clock=clock, parts=False)
 
     def snapshot(self, state: Any) -> MTPState:
         assert isinstance(state, MTPState)

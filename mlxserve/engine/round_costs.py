@@ -12,20 +12,32 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly, trim_steps
+from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.sampling import KeyStream
+
+GREEDY = SamplingParams()
 
 
 @dataclass
 class RoundCosts:
-    """Seconds of one decode step and of the pieces of a speculative round."""
+    """Seconds of one decode step, of the pieces of a speculative round and, where
+    measured, of whole rounds."""
 
     plain: float
     verify: dict[int, float] = field(default_factory=dict)  # k -> forward of k + 1 tokens
     draft: float = 0.0
+    # k -> one real round at depth k, as the engine runs it
+    rounds: dict[int, float] = field(default_factory=dict)
 
     def round(self, depth: int) -> float:
-        """Expected seconds of a round at ``depth`` (0: one plain step)."""
+        """Expected seconds of a round at ``depth`` (0: one plain step): the measured
+        round where there is one, else its parts."""
         if depth <= 0:
             return self.plain
+        return self.rounds.get(depth, self.parts(depth))
+
+    def parts(self, depth: int) -> float:
+        """verify(depth) + depth x draft: what a round would cost with no other work."""
         return self.verify.get(depth, self.plain) + depth * self.draft
 
 
@@ -36,16 +48,22 @@ def measure_round_costs(
     context: int = 32,
     clock: Callable[[], float] = time.perf_counter,
     tick: Callable[[], None] = lambda: None,
+    parts: bool = True,
 ) -> RoundCosts:
-    """A plain step, verify(k) for every k and one draft forward, on a throw-away state
-    of `context` tokens, each timed as the engine runs it: plain steps pipelined (the
-    next queued before the last is read), a verify forward with the round's sync, a
-    draft as one link of a synced chain. The measurements are interleaved and the
+    """A plain step, verify(k) for every k, one draft forward and a whole round at
+    every k, on a throw-away state of `context` tokens, each timed as the engine runs
+    it: plain steps pipelined (the next queued before the last is read), a verify
+    forward with the round's sync, a draft as one link of a synced chain, a round
+    as `speculate` runs it (on a copy of the state). The automatic depth weighs the
+    whole rounds: on a 2-core CPU their parts put a depth-1 round at 0.65x and a
+    depth-5 one at 1.3x what the round cost. The measurements are interleaved and the
     median of `trials` kept (after one untimed pass: kernels compile on first use),
     so a machine whose speed drifts affects them alike. `clock`: benchmarks on a
     shared CPU pass `time.process_time`. `tick` is called after every probe: the
     engine counts each as progress, so its watchdogs (its own and the front's hang
-    detection) do not take a calibration of a few seconds for a stalled step."""
+    detection) do not take a calibration of a few seconds for a stalled step.
+    `parts=False` skips the verify and draft probes (the engine weighs whole rounds
+    only: half the calibration time)."""
     model = adapter.model
     depth = adapter.max_draft_depth
     vocab = int(model.args.vocab_size)
@@ -91,11 +109,22 @@ def measure_round_costs(
         trim_exactly(state.mtp_cache[0], depth)
         return elapsed / depth
 
+    def whole_round(k: int) -> float:
+        copy = adapter.snapshot(state)
+        mx.eval(copy.carry, [c.state for c in (*copy.cache, *copy.mtp_cache)])
+        start = clock()
+        adapter.speculate(copy, 1, k, GREEDY, keys)
+        return clock() - start
+
+    keys = KeyStream(0)
     probes: dict[str, Callable[[], float]] = {"plain": plain}
-    for k in range(1, depth + 1):
+    for k in range(1, depth + 1 if parts else 1):
         probes[f"verify{k}"] = lambda k=k: verify(k)  # type: ignore[misc]
     if model.num_mtp_blocks and depth:
-        probes["draft"] = draft
+        if parts:
+            probes["draft"] = draft
+        for k in range(1, depth + 1):
+            probes[f"round{k}"] = lambda k=k: whole_round(k)  # type: ignore[misc]
     times: dict[str, list[float]] = {name: [] for name in probes}
     for trial in range(trials + 1):
         for name, probe in probes.items():
@@ -106,6 +135,7 @@ def measure_round_costs(
     median = {name: sorted(values)[len(values) // 2] for name, values in times.items()}
     return RoundCosts(
         plain=median["plain"],
-        verify={k: median[f"verify{k}"] for k in range(1, depth + 1)},
+        verify={k: median[f"verify{k}"] for k in range(1, depth + 1) if f"verify{k}" in median},
         draft=median.get("draft", 0.0),
+        rounds={k: median[f"round{k}"] for k in range(1, depth + 1) if f"round{k}" in median},
     )

@@ -16,6 +16,7 @@ and its speculative rounds verify under its transforms (`engine.draft_choice`).
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -51,10 +52,12 @@ class Runner:
         self.prefix_cache = prefix_cache
         self.batches: list[_Batch] = []
         self._batch_of: dict[str, _Batch] = {}
-        # Set by the engine when a request chooses its depth per round.
+        # Set by the engine when a request chooses its depth per round, with the
+        # clock that times rounds on this device (`mlxserve.hardware.clock`).
         self.chooser: DepthChooser | None = None
         # Requests given a state and not yet released: the rows a batch may soon hold.
         self._live: set[str] = set()
+        self.clock: Callable[[], float] = time.perf_counter
 
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
@@ -144,22 +147,27 @@ class Runner:
         if sequence.chooser is not None:
             return self._choose(sequence, sequence.chooser)
         params = sequence.request.sampling
+        first: int | None = None
         if sequence.pending is None:
             sequence.pending = sample(self._first_logits(sequence), params, sequence.keys.next())
+            # Read at once: on a CPU `async_eval` computes the whole graph before it
+            # returns, so queuing the next forward first would hold the first token
+            # back by a step (TTFT). That forward is built below but left lazy.
+            first = token_id(sequence.pending)
             if sequence.depth > 0:
                 # Speculative requests take their first token plainly, then draft.
-                token = token_id(sequence.pending)
                 sequence.pending = None
-                return [token]
+                return [first]
         assert sequence.state is not None
         current = sequence.pending
         if sequence.budget > 1:
             logits = self.adapter.step(sequence.state, current.reshape(1))
             sequence.pending = sample(logits, params, sequence.keys.next())
-            mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+            if first is None:
+                mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
         else:
             sequence.pending = None
-        return [token_id(current)]
+        return [token_id(current) if first is None else first]
 
     def _choose(self, sequence: Sequence, chooser: TokenChooser) -> list[int]:
         """A step without pipelining: the chooser reads each token before the next."""
@@ -415,7 +423,7 @@ class Runner:
             return self._speculate_chosen(sequence, sequence.chooser, depth)
         drafter = getattr(self.adapter, "speculate", None)
         if depth <= 0 or drafter is None:
-            started = time.perf_counter()
+            started = self.clock()
             if sequence.pending is None:
                 logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
                 sequence.pending = sample(logits, sequence.request.sampling, sequence.keys.next())
@@ -427,7 +435,7 @@ class Runner:
             sequence.stats.count_step(0)
             sequence.plain_streak += 1
             if clean and sequence.pending is not None:
-                self._observe(0, time.perf_counter() - started)
+                self._observe(0, self.clock() - started)
             return tokens
         first: list[int] = []
         if sequence.pending is not None:
@@ -441,14 +449,14 @@ class Runner:
             logits = self.adapter.step(sequence.state, mx.array([last]))
             token = sample(logits, sequence.request.sampling, sequence.keys.next())
             return [*first, token_id(token)]
-        started = time.perf_counter()
+        started = self.clock()
         tokens, drafted, accepted = drafter(
             sequence.state, last, depth, sequence.request.sampling, sequence.keys
         )
         if not first:
             # After plain steps the first draft also folds their MTP entries in: a
             # dearer round than the steady ones, so it is not timed.
-            self._observe(depth, time.perf_counter() - started)
+            self._observe(depth, self.clock() - started)
         sequence.stats.record(drafted, accepted)
         sequence.plain_streak = 0
         if self.chooser is not None:

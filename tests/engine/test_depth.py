@@ -4,7 +4,11 @@ import pytest
 
 from mlxserve.engine.depth import (
     EXPLORE_EVERY,
+    EXPLORED_ROUNDS,
+    MIN_OBSERVED,
     PROBE_EVERY,
+    RECHECK_EVERY,
+    UNSEEN_DISCOUNT,
     DepthChooser,
     choose_depth,
     conditional_acceptance,
@@ -17,6 +21,8 @@ from mlxserve.engine.round_costs import RoundCosts
 CHEAP_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.02 * k for k in range(1, 6)}, draft=0.025)
 # A CPU-like round: verify grows with k, a draft costs a third of a step (3-layer demo).
 DEAR_VERIFY = RoundCosts(plain=1.0, verify={k: 1.0 + 0.3 * k for k in range(1, 6)}, draft=0.33)
+# Measured whole rounds where depth 2 comes close to depth 1 at middling acceptance.
+CLOSE = RoundCosts(plain=1.0, rounds={1: 1.5, 2: 1.9, 3: 2.6, 4: 3.3, 5: 4.0})
 
 
 def test_expected_tokens() -> None:
@@ -56,7 +62,7 @@ def test_a_large_batch_turns_speculation_off() -> None:
 def test_conditional_acceptance_moves_from_the_prior_to_the_counts() -> None:
     stats = SpeculativeStats()
     assert conditional_acceptance(stats, [0.6] * 3, 3) == pytest.approx([0.6] * 3)
-    for _ in range(200):
+    for _ in range(1000):
         stats.record(2, 1)  # the first draft always kept, the second never
     first, second, third = conditional_acceptance(stats, [0.6] * 3, 3)
     assert first > 0.97 and second < 0.03
@@ -70,33 +76,107 @@ def test_chooser_follows_observed_costs_and_probes() -> None:
         good.record(3, 3)
     assert chooser.choose(good, plain_streak=0) >= 3
     bad = SpeculativeStats()
-    for _ in range(50):
+    for _ in range(200):
         bad.record(1, 0)
     assert chooser.choose(bad, plain_streak=0) == 0
     assert chooser.choose(bad, plain_streak=PROBE_EVERY) == 1
     # Rounds observed to be far dearer than plain steps: plain decoding wins. The
-    # first time at each depth is dropped (it includes compiling kernels).
-    for _ in range(2):
+    # first time at each depth is dropped (it includes compiling kernels), and an
+    # observed time counts from MIN_OBSERVED on.
+    for _ in range(1 + MIN_OBSERVED):
         chooser.observe(0, 1.0)
         for depth in range(1, 6):
             chooser.observe(depth, 50.0)
     assert chooser.choose(good, plain_streak=0) == 0
 
 
-def test_every_eighth_round_drafts_one_deeper() -> None:
-    chooser = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+def test_every_few_rounds_an_unexplored_depth_is_tried() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
     stats = SpeculativeStats()
-    for kept in (1, 1, 0, 1, 1, 0):
+    for kept in (1, 1, 0, 1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 2]:
         stats.record(1, kept)
     assert chooser.choose(stats, plain_streak=0) == 1
-    stats.record(1, 1)  # the 8th round comes next
-    assert EXPLORE_EVERY == 8 and chooser.choose(stats, plain_streak=0) == 2
+    stats.record(1, 1)  # the EXPLORE_EVERY-th round comes next
+    assert chooser.choose(stats, plain_streak=0) == 2
 
 
-def test_one_outlier_moves_the_estimate_at_most_twofold() -> None:
+def test_observed_round_times_are_a_median_that_ignores_an_outlier() -> None:
     chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
     chooser.observe(2, 99.0)  # first: dropped
-    assert 2 not in chooser.observed
     chooser.observe(2, 1.0)
     chooser.observe(2, 1000.0)
-    assert chooser.observed[2] == pytest.approx(1.2)  # 1 + 0.2 * (2 - 1)
+    assert 2 not in chooser.observed  # too few to replace the calibration
+    chooser.observe(2, 1.2)
+    assert chooser.observed[2] == pytest.approx(1.2)
+    assert chooser.costs().round(2) == pytest.approx(1.2)
+
+
+def test_an_explored_depth_is_not_explored_again() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
+    stats = SpeculativeStats()
+    for kept in (1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 1]:
+        stats.record(1, kept)
+    assert chooser.pick(stats, 0, 1) == (2, 1)  # depth 2 unknown: this round explores it
+    for _ in range(EXPLORED_ROUNDS):
+        chooser.record(2, 1)  # position 2 reached often enough, and never kept
+    for _ in range(1 + MIN_OBSERVED):  # the first observation is dropped
+        chooser.observe(2, CLOSE.round(2))
+    assert chooser.explored(2)
+    assert chooser.pick(stats, 0, 1) == (1, 1)
+
+
+def test_an_unseen_position_is_discounted_from_the_one_before() -> None:
+    chooser = DepthChooser(max_depth=3, calibrated=CHEAP_VERIFY)
+    for _ in range(1000):
+        chooser.record(1, 1)  # the first draft always kept; the second never drafted
+    first, second, third = chooser.prior()
+    assert first > 0.99
+    assert second == pytest.approx(first * UNSEEN_DISCOUNT)
+    assert third == pytest.approx(second * UNSEEN_DISCOUNT)
+
+
+def test_a_plain_request_reconsiders_only_every_few_steps() -> None:
+    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
+    good = SpeculativeStats()
+    for _ in range(50):
+        good.record(3, 3)
+    # Between rechecks the depth stays 0 without any estimate computed...
+    assert chooser.pick(good, plain_streak=RECHECK_EVERY + 1, current=0) == (0, 0)
+    # ...and at a recheck the acceptance counts win.
+    assert chooser.pick(good, plain_streak=RECHECK_EVERY, current=0)[1] >= 3
+
+
+def test_a_depth_estimated_far_worse_is_not_explored() -> None:
+    # Dear drafts and a first draft seldom kept: depth 2 is far behind depth 1.
+    costs = RoundCosts(plain=1.0, rounds={1: 1.05, 2: 2.5, 3: 4.0, 4: 5.5, 5: 7.0})
+    chooser = DepthChooser(max_depth=5, calibrated=costs)
+    stats = SpeculativeStats()
+    for kept in (1, 0, 1, 1, 0, 1, 1)[: EXPLORE_EVERY - 1]:
+        stats.record(1, kept)
+    assert chooser.pick(stats, 0, 1) == (1, 1)  # an exploration round, but not worth it
+
+
+def test_without_following_observed_times_only_the_calibration_ranks_depths() -> None:
+    good = SpeculativeStats()
+    for _ in range(50):
+        good.record(3, 3)
+    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY, follow_observed=False)
+    for _ in range(1 + MIN_OBSERVED):  # rounds timed in a busy spell, plain steps in a quiet one
+        chooser.observe(0, 1.0)
+        for depth in range(1, 6):
+            chooser.observe(depth, 50.0)
+    costs = chooser.costs()
+    assert costs.round(3) / costs.round(0) == pytest.approx(CHEAP_VERIFY.round(3))
+    assert chooser.choose(good, plain_streak=0) >= 3
+
+
+def test_a_hard_start_does_not_turn_speculation_off() -> None:
+    """The engine's requests kept most first drafts; this one's first two were
+    rejected (a reply's opening tokens are the hardest to draft): it keeps drafting."""
+    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
+    for _ in range(100):
+        chooser.record(1, 1 if _ % 7 else 0)  # about 0.86 kept
+    start = SpeculativeStats()
+    start.record(1, 0)
+    start.record(1, 0)
+    assert chooser.pick(start, 0, 1)[1] >= 1

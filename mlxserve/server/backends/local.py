@@ -69,7 +69,11 @@ _Item = BackendEvent | BackendUnavailable
 def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
     """Signal the child's whole process group: the engine, or a launcher and its ranks.
 
-    The child leads a session of its own, so its group is exactly what it started.
+    The child leads a process group of its own, so its group is exactly what it
+    started. Not a session of its own: Linux's autogroup scheduling gives every
+    session one share of the CPU, and an engine in another session than the front
+    left the front waiting for that share on a busy CPU: a whole generation (tens
+    of ms) between the engine's first token and the front reading it.
     """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
@@ -168,7 +172,7 @@ class LocalEngine(Backend):
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             env=env,
-            start_new_session=True,
+            process_group=0,
         )
         self._relay = asyncio.create_task(
             self._relay_output(self._proc), name=f"{self.name}-output"

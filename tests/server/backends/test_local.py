@@ -32,6 +32,11 @@ def test_engine_lifecycle() -> None:
             assert stat.S_IMODE(engine._dir.stat().st_mode) == 0o700
             socket_mode = (engine._dir / "engine.sock").stat().st_mode
             assert stat.S_ISSOCK(socket_mode) and stat.S_IMODE(socket_mode) == 0o600
+            # Its own process group (signalled whole), in the front's session (one
+            # autogroup CPU share with the front; see `_signal_group`).
+            assert engine.pid is not None
+            assert os.getpgid(engine.pid) == engine.pid
+            assert os.getsid(engine.pid) == os.getsid(0)
 
             params = GenerationParams(prompt_ids=(3, 45, 453), max_tokens=4, stop_token_ids=())
             events = [e async for e in engine.generate("a", params)]
