@@ -125,6 +125,12 @@ class EngineSettings(_Section):
     prefix_cache_mb: int = Field(
         1024, ge=0, description="Memory bound of the prefix cache, in MiB."
     )
+    warm_up: bool | Literal["auto"] = Field(
+        "auto",
+        description="Run a few requests through the engine before serving, so kernels that "
+        "compile on first use (a GPU: tens of seconds on CUDA) do not stall the first "
+        "client. 'auto': on a GPU, off on a CPU. Single-rank engines only.",
+    )
 
 
 class SpeculativeSettings(_Section):

@@ -34,6 +34,11 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        """Drop every entry (the hit and miss counts stay)."""
+        self._entries.clear()
+        self._bytes = 0
+
     def lookup(self, prompt: tuple[int, ...]) -> tuple[ModelState, int] | None:
         """A private copy of the longest cached state whose tokens prefix `prompt[:-1]`."""
         best: tuple[int, ...] | None = None

@@ -167,6 +167,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     engine, loaded = build_engine(settings, plan, membership.rank, membership.group)
     # The peak memory reported with each request is the serving peak, not loading's.
     mx.reset_peak_memory()
+    _warm_up(settings, engine, loaded)
     if faults.armed:
         log.warning("FAULT INJECTION ARMED (tests only): %s", faults.describe())
         engine.before_step = FaultInjector(faults)
@@ -208,6 +209,26 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         os._exit(0)
     log.info("stopped")
     return 0
+
+
+def _warm_up(settings: Settings, engine: Engine, loaded: LoadedModel) -> None:
+    """Compile what the first requests would, before the hello (`mlxserve.engine.warmup`)."""
+    from mlxserve.engine.warmup import wanted, warm_up
+    from mlxserve.hardware.probe import device_type
+
+    if not wanted(settings.engine.warm_up, device_type()):
+        return
+    if engine.lockstep is not None:
+        # Followers would have to run the same steps under their own watchdogs.
+        log.info("warm-up skipped: tensor-parallel engines warm up on their first requests")
+        return
+    prompt = tuple(loaded.tokenizer.encode("Warm up: say hello.")) or (0,)
+    try:
+        seconds = warm_up(engine, prompt)
+    except RuntimeError as exc:  # serving shows the same failure on a real request
+        log.warning("warm-up failed: %s", exc)
+        return
+    log.info("warm-up: %.1f s (kernels compiled, depth costs measured)", seconds)
 
 
 def serve(listener: socket.socket, desk: FrontDesk, stop: threading.Event) -> None:

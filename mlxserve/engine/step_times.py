@@ -29,6 +29,10 @@ class StepTimes:
         with self._lock:
             self._seconds.setdefault(plan.kind, deque(maxlen=self._window)).append(per)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._seconds.clear()
+
     def p99(self, kind: StepKind) -> float | None:
         with self._lock:
             recent = sorted(self._seconds.get(kind, ()))

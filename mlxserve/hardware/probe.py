@@ -45,6 +45,13 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
+def device_type() -> DeviceType:
+    """The device MLX computes on here: cuda, metal or cpu."""
+    import mlx.core as mx
+
+    return _device_type(mx)
+
+
 def _device_type(mx: object) -> DeviceType:
     core = mx  # mlx.core, passed in so this module imports MLX lazily
     if getattr(core, "cuda", None) is not None and core.cuda.is_available():  # type: ignore[attr-defined]

@@ -1,0 +1,89 @@
+"""Run the engine's kinds of step once before serving, untimed.
+
+Why: a device that compiles kernels on their first use (MLX's CUDA backend: NVRTC
+and cuDNN plans per kernel and shape) makes the first prefill and the first
+speculative round of a fresh process take tens of seconds. Measured on an H200
+with the demo model as `mlxserve serve` builds it: 36 s for the first 19-token
+prefill and 32 s for the first speculative step (the depth calibration inside
+it), then 6-7 ms per step. Inside a user's request that is a first answer that
+takes a minute, and a step the front's hang detection (seconds) and the engine's
+watchdog (tens of seconds) rightly call hung. So the engine runs a lone request
+(prefill, a plain step, speculative rounds and the depth calibration) and two
+requests together (a decode batch, drafting together) before it says hello.
+What it leaves behind is only what serving would have built anyway: compiled
+kernels and the depth calibration. Its prefix-cache entries, step times and
+memory peak are dropped, so the front's hang limits and the reported peaks
+start from serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal
+
+import mlx.core as mx
+
+from mlxserve.engine.drive import drain
+from mlxserve.engine.engine import Engine
+from mlxserve.engine.request import FinishEvent, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+#: Tokens each warm-up request generates: past the first token, the depth
+#: calibration and a few rounds at the deepest draft depth.
+WARM_UP_TOKENS = 24
+#: Steps the warm-up may take (it needs about 60): a bound, not a budget.
+MAX_STEPS = 10_000
+
+
+def wanted(setting: bool | Literal["auto"], device_type: str) -> bool:
+    """Whether to warm up: "auto" does where kernels compile on first use (a GPU)."""
+    if setting == "auto":
+        return device_type in ("cuda", "metal")
+    return setting
+
+
+def warm_up(engine: Engine, prompt: tuple[int, ...]) -> float:
+    """Run ``prompt`` alone, then twice at once, to completion; the seconds taken.
+
+    Raises RuntimeError when a warm-up request fails or does not finish within
+    the step bound: the engine would not serve either.
+    """
+    if not prompt:
+        raise ValueError("the warm-up needs a prompt of at least one token")
+    started = time.monotonic()
+    _run(engine, [GenerationRequest("warm-up-0", prompt, WARM_UP_TOKENS)])
+    # A second prompt (the first one's plus one token) so the pair prefills rather
+    # than reusing the first request's prefix entry only.
+    pair = (prompt, (*prompt, prompt[-1]))
+    _run(
+        engine,
+        [GenerationRequest(f"warm-up-{i + 1}", p, WARM_UP_TOKENS) for i, p in enumerate(pair)],
+    )
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+    engine.step_times.clear()
+    mx.reset_peak_memory()
+    return time.monotonic() - started
+
+
+def _run(engine: Engine, requests: list[GenerationRequest]) -> None:
+    streams = [engine.submit(request) for request in requests]
+    finished: dict[str, FinishEvent] = {}
+    for _ in range(MAX_STEPS):
+        progressed = engine.run_once()
+        for stream in streams:
+            for event in drain(stream):
+                if isinstance(event, FinishEvent):
+                    finished[event.request_id] = event
+        if len(finished) == len(streams):
+            break
+        if not progressed and engine.scheduler.idle:
+            break
+    for request in requests:
+        finish = finished.get(request.request_id)
+        if finish is None:
+            raise RuntimeError(f"warm-up request {request.request_id} did not finish")
+        if finish.finish_reason == "error":
+            raise RuntimeError(f"warm-up request {request.request_id} failed: {finish.error}")
