@@ -81,6 +81,8 @@ SPECULATIVE_BATCH_DEPTH = 2
 
 
 def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> EngineConfig:
+    from mlxserve.hardware.probe import device_type, first_use_step_s
+
     args = getattr(loaded.model, "args", None)
     experts = int(getattr(args, "n_routed_experts", 0) or 0)
     top_k = int(getattr(args, "num_experts_per_tok", 0) or 0)
@@ -95,6 +97,7 @@ def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> Engine
         prefix_cache_bytes=settings.engine.prefix_cache_mb << 20,
         max_speculative_batch=SPECULATIVE_BATCH,
         batch_speculative_depth=batch_depth,
+        cold_step_s=first_use_step_s(device_type()),
     )
 
 

@@ -78,6 +78,8 @@ class EngineConfig:
     # Batched speculation: up to this many requests draft together, at this depth.
     max_speculative_batch: int = 0
     batch_speculative_depth: int = 0
+    # What a step of a shape never run before may take (`StepTimes`); 0: nothing compiles.
+    cold_step_s: float = 0.0
 
 
 class RequestStream:
@@ -154,7 +156,7 @@ class Engine:
         self.progress = 0
         self.current_step: StepPlan | None = None
         self.step_started_at = 0.0
-        self.step_times = StepTimes()
+        self.step_times = StepTimes(cold_s=config.cold_step_s)
         # MLX's peak is reset whenever the engine goes idle (`_idle`): `busy_peak_bytes`
         # is then the peak of the current busy period, `_serving_peak` the ones before.
         self._serving_peak = 0

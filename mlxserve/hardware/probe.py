@@ -45,6 +45,19 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
+#: What the first step of a new shape may take, by device: MLX's CUDA backend
+#: compiles kernels (NVRTC, cuDNN plans) on first use. Measured on an H200 with the
+#: demo model: 32-36 s for a fresh process's first prefill and speculative step
+#: (the warm-up takes those), then a few seconds for a new batch shape. Metal and
+#: the CPU ship their kernels compiled: 0 there (nothing measured says otherwise).
+FIRST_USE_STEP_S: dict[str, float] = {"cuda": 1.25}
+
+
+def first_use_step_s(device: str) -> float:
+    """What a step of a never-run shape is expected to take on ``device`` (seconds)."""
+    return FIRST_USE_STEP_S.get(device, 0.0)
+
+
 def device_type() -> DeviceType:
     """The device MLX computes on here: cuda, metal or cpu."""
     import mlx.core as mx

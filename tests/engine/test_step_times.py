@@ -27,3 +27,26 @@ def test_the_window_forgets_old_steps() -> None:
     for _ in range(4):
         times.record(plan("decode"), 0.02)
     assert times.p99("decode") == 0.02
+
+
+def test_a_shape_never_run_is_cold_where_kernels_compile() -> None:
+    """On a device that compiles on first use a new (kind, rows, tokens) shape gets
+    the cold allowance until it has run once; a warm-up's clear keeps the shapes."""
+    times = StepTimes(cold_s=1.25)
+    pair = StepPlan(2, "speculate", ("a", "b"), 2)
+    assert times.expected_s(plan("decode")) == 1.25
+    times.record(plan("decode"), 0.01)
+    assert times.expected_s(plan("decode")) == 0.01
+    times.record(plan("speculate", 2), 0.02)
+    assert times.expected_s(pair) == 1.25  # the same kind at two rows: not run yet
+    times.record(pair, 0.03)
+    times.clear()
+    assert times.expected_s(pair) == 0.0  # durations forgotten, the shape known
+    assert StepTimes().expected_s(pair) == 0.0  # nothing compiles: no allowance
+
+
+def test_first_use_allowance_by_device() -> None:
+    from mlxserve.hardware.probe import first_use_step_s
+
+    assert first_use_step_s("cuda") > 0
+    assert first_use_step_s("cpu") == first_use_step_s("metal") == 0.0
