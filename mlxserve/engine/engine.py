@@ -78,7 +78,8 @@ class EngineConfig:
     # Batched speculation: up to this many requests draft together, at this depth.
     max_speculative_batch: int = 0
     batch_speculative_depth: int = 0
-    # What a step of a shape never run before may take (`StepTimes`); 0: nothing compiles.
+    # The least any step is expected to take (`StepTimes`): 0 unless kernels compile
+    # on first use.
     cold_step_s: float = 0.0
 
 

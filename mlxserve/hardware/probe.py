@@ -45,16 +45,18 @@ def package_version(name: str) -> str:
         return "not installed"
 
 
-#: What the first step of a new shape may take, by device: MLX's CUDA backend
-#: compiles kernels (NVRTC, cuDNN plans) on first use. Measured on an H200 with the
-#: demo model: 32-36 s for a fresh process's first prefill and speculative step
-#: (the warm-up takes those), then a few seconds for a new batch shape. Metal and
-#: the CPU ship their kernels compiled: 0 there (nothing measured says otherwise).
+#: What any step is allowed at least, by device: MLX's CUDA backend compiles
+#: kernels (NVRTC, cuDNN plans) on the first use of each shape. Measured on an
+#: H200 with the demo model: 32-36 s for a fresh process's first prefill and
+#: speculative step (the warm-up takes those), then more than 3 s again at the
+#: first two-request batch after the warm-up. 1.25 s x the front's 20 = 25 s,
+#: under the engine's 30 s watchdog. Metal and the CPU: 0 (nothing measured says
+#: otherwise), so hangs there are told within the front's floor.
 FIRST_USE_STEP_S: dict[str, float] = {"cuda": 1.25}
 
 
 def first_use_step_s(device: str) -> float:
-    """What a step of a never-run shape is expected to take on ``device`` (seconds)."""
+    """The least any step is expected to take on ``device`` (seconds)."""
     return FIRST_USE_STEP_S.get(device, 0.0)
 
 
