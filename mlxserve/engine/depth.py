@@ -157,6 +157,14 @@ class DepthChooser:
         if len(window) >= MIN_OBSERVED:
             self.observed[depth] = statistics.median(window)
 
+    def forget_observations(self) -> None:
+        """Drop the acceptance and round times seen so far (a warm-up's: a fixed
+        prompt, timed while compiling), keeping the calibration and which depths have
+        run once (their first round, the one that compiles, stays dropped)."""
+        self.history = SpeculativeStats()
+        self.samples.clear()
+        self.observed.clear()
+
     def prior(self) -> list[float]:
         """Acceptance per position over the requests this engine has served so far."""
         rates: list[float] = []

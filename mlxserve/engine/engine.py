@@ -211,6 +211,19 @@ class Engine:
         self._run(plan)
         return True
 
+    def forget_warm_up(self) -> None:
+        """Keep nothing of requests run before serving (`mlxserve.engine.warmup`) but
+        compiled kernels and the depth calibration: no prefix-cache entries, step
+        times, memory peaks or acceptance and round times."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.step_times.clear()
+        if self.chooser is not None:
+            self.chooser.forget_observations()
+        self._busy = False
+        self._serving_peak = 0
+        mx.reset_peak_memory()
+
     def _idle(self) -> None:
         """Nothing runs: the busy period's peak memory is over (kept in the serving peak)."""
         if self._busy:

@@ -11,9 +11,9 @@ watchdog (tens of seconds) rightly call hung. So the engine runs a lone request
 (prefill, a plain step, speculative rounds and the depth calibration) and two
 requests together (a decode batch, drafting together) before it says hello.
 What it leaves behind is only what serving would have built anyway: compiled
-kernels and the depth calibration. Its prefix-cache entries, step times and
-memory peak are dropped, so the front's hang limits and the reported peaks
-start from serving.
+kernels and the depth calibration. Its prefix-cache entries, step times, memory
+peaks and acceptance and round times are dropped, so the front's hang limits,
+the reported peaks and the automatic depth start from serving.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from __future__ import annotations
 import logging
 import time
 from typing import Literal
-
-import mlx.core as mx
 
 from mlxserve.engine.drive import drain
 from mlxserve.engine.engine import Engine
@@ -61,10 +59,7 @@ def warm_up(engine: Engine, prompt: tuple[int, ...]) -> float:
         engine,
         [GenerationRequest(f"warm-up-{i + 1}", p, WARM_UP_TOKENS) for i, p in enumerate(pair)],
     )
-    if engine.prefix_cache is not None:
-        engine.prefix_cache.clear()
-    engine.step_times.clear()
-    mx.reset_peak_memory()
+    engine.forget_warm_up()
     return time.monotonic() - started
 
 
