@@ -8,6 +8,7 @@
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,15 @@ def simulated_cluster(settings: ClusterSettings) -> Cluster:
     return Cluster(ranks=profiles, backend=backend, wires=settings.wires or 1)
 
 
+class GroupPortTaken(RuntimeError):
+    """A rank could not bind its port (taken meanwhile): worth a restart, unlike a
+    `UsageError`."""
+
+
+#: How MLX's ring reports a port in use (errno 98 on Linux, 48 on macOS).
+_PORT_TAKEN = re.compile(r"bind socket \(error: (98|48)\)|Address already in use")
+
+
 def _distributed(settings: ClusterSettings) -> Membership:
     import mlx.core as mx
 
@@ -62,6 +72,10 @@ def _distributed(settings: ClusterSettings) -> Membership:
     try:
         group = mx.distributed.init(strict=True, backend=backend)
     except RuntimeError as exc:
+        if _PORT_TAKEN.search(str(exc)):
+            # Another process took a port between the launcher's choice and our bind:
+            # a restart (new ports) helps, so this is not a settings error.
+            raise GroupPortTaken(f"cannot join the {backend} cluster: {exc}") from None
         raise UsageError(f"cannot join the {backend} cluster: {exc}") from None
     rank = group.rank()
     profiles = gather_profiles(group, _self_profile(settings, rank))

@@ -17,7 +17,9 @@ of its own) with two differences that serving needs:
   it like a single engine's.
 """
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import sys
@@ -57,6 +59,28 @@ def group_status(codes: dict[int, int | None]) -> int:
     return 128 - code if code < 0 else code
 
 
+#: Where group ports are drawn from: below Linux's ephemeral range (32768-60999),
+#: which outgoing connections (HTTP clients, the front's own) take from at any time.
+PORT_RANGE: Final = (20000, 32000)
+
+
+def free_port_run(count: int, attempts: int = 64) -> int:
+    """A port p with p .. p + count - 1 free now (ring ranks bind starting port +
+    their index), drawn at random from `PORT_RANGE`. Still a race with other
+    processes; a rank that loses it exits with a retried code (`GroupPortTaken`)."""
+    for _ in range(attempts):
+        start = random.randrange(PORT_RANGE[0], PORT_RANGE[1] - count)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(start, start + count):
+                    probe = held.enter_context(socket.socket())
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return start
+    raise RuntimeError(f"no run of {count} free ports found in {attempts} tries")
+
+
 def launcher_command(
     hosts: Sequence[str], backend: str, env: Mapping[str, str], python: str = sys.executable
 ) -> list[str]:
@@ -66,9 +90,7 @@ def launcher_command(
     one's ports), and the MLXSERVE_* settings passed with --env so that ranks on
     other hosts (over ssh) get them too.
     """
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port_run(len(hosts))
     command = [python, "-m", "mlxserve.cluster.launch", "--backend", backend]
     command += ["--hosts", ",".join(hosts), "--starting-port", str(port)]
     for key, value in sorted(env.items()):

@@ -39,6 +39,7 @@ from typing import Any, Final, NoReturn
 import mlx.core as mx
 
 from mlxserve.channel.messages import Error, Hello
+from mlxserve.cluster.discover import GroupPortTaken
 from mlxserve.config import Settings, load_settings
 from mlxserve.engine.build import LoadedModel
 from mlxserve.engine.engine import Engine
@@ -50,6 +51,7 @@ log = logging.getLogger("mlxserve.engine.process")
 LOG_PREFIX: Final = "mlxserve-engine"
 EXIT_USAGE: Final = 2
 EXIT_ENGINE_CRASHED: Final = 70  # EX_SOFTWARE
+EXIT_PORT_TAKEN: Final = 69  # EX_UNAVAILABLE: a group's port was taken; a restart retries
 DEFAULT_CONTEXT_LENGTH: Final = 4096
 # sun_path is 104 bytes on macOS (108 on Linux), including the terminating NUL.
 MAX_SOCKET_PATH_BYTES: Final = 103
@@ -129,6 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{LOG_PREFIX}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except GroupPortTaken as exc:
+        print(f"{LOG_PREFIX}: error: {exc}", file=sys.stderr)
+        return EXIT_PORT_TAKEN
     except _StopRequested:
         log.info("stopped while starting")
         return 0
