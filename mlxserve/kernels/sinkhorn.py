@@ -9,17 +9,27 @@ as one Metal kernel on a Mac; this module gives CUDA the same: one thread per
 matrix, the loop's operations in the loop's order, so the result is the loop's up
 to the order of a 4-term float32 sum. Other devices (CPU, Metal) keep mlx-lm's
 path.
+
+CI has no GPU, so the kernel checks itself where it runs: on its first use in a
+process it is compared with the loop on random matrices, and if it fails to build
+or disagrees the loop is used from then on, with a warning (a slower step, never a
+wrong one).
 """
 
 from __future__ import annotations
 
+import logging
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.deepseek_v41 import _sinkhorn as mlx_lm_sinkhorn
 
+log = logging.getLogger(__name__)
+
 THREADS_PER_BLOCK = 128
+SELF_CHECK_MATRICES = 37  # not a multiple of the block: the bound check is exercised
+SELF_CHECK_ATOL = 1e-5
 
 # One thread per matrix: columns first, then rows and columns ITERS - 1 more times,
 # each a division by (sum + eps), as the reference loop does.
@@ -101,11 +111,30 @@ def sinkhorn_cuda(comb: mx.array, *, iters: int, eps: mx.array) -> mx.array:
     return outputs[0].reshape(comb.shape)
 
 
+@cache
+def cuda_kernel_agrees(hc: int, iters: int) -> bool:
+    """Whether the kernel builds and matches the loop here (checked once per shape)."""
+    comb = mx.random.uniform(shape=(SELF_CHECK_MATRICES, hc, hc), key=mx.random.key(0)) + 0.05
+    eps = mx.array([1e-6], dtype=mx.float32)
+    try:
+        ours = sinkhorn_cuda(comb, iters=iters, eps=eps)
+        loop = mlx_lm_sinkhorn(comb, iters=iters, eps=eps)
+        worst = float(mx.abs(ours - loop).max())
+    except (RuntimeError, ValueError) as exc:  # NVRTC or launch failure
+        log.warning("the CUDA Sinkhorn kernel failed (%s): using the op loop", exc)
+        return False
+    if not worst <= SELF_CHECK_ATOL:
+        log.warning("the CUDA Sinkhorn kernel differs from the loop by %g: using the loop", worst)
+        return False
+    return True
+
+
 def sinkhorn(comb: mx.array, *, iters: int, eps: mx.array) -> mx.array:
     """Normalise the columns of each [hc, hc] matrix, then its rows and columns
-    `iters - 1` more times (dividing by sum + eps): one launch on CUDA, mlx-lm's
-    path elsewhere (its Metal kernel on a Mac, the op loop on a CPU)."""
-    if iters >= 1 and comb.size and on_cuda():
+    `iters - 1` more times (dividing by sum + eps): one launch on CUDA (once it has
+    checked itself), mlx-lm's path elsewhere (its Metal kernel on a Mac, the op loop
+    on a CPU)."""
+    if iters >= 1 and comb.size and on_cuda() and cuda_kernel_agrees(comb.shape[-1], iters):
         return sinkhorn_cuda(comb, iters=iters, eps=eps)
     out: mx.array = mlx_lm_sinkhorn(comb, iters=iters, eps=eps)
     return out

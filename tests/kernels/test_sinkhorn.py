@@ -5,11 +5,14 @@ checks it against the op loop on a CUDA machine. What is checked here is what ev
 device shares: the dispatch, and that the model's `HyperConnection` equals mlx-lm's.
 """
 
+import logging
+
 import mlx.core as mx
+import pytest
 from mlx_lm.models.deepseek_v41 import HyperConnection as V41HyperConnection
 from mlx_lm.models.deepseek_v41 import _sinkhorn
 
-from mlxserve.kernels.sinkhorn import on_cuda, sinkhorn
+from mlxserve.kernels.sinkhorn import cuda_kernel_agrees, on_cuda, sinkhorn
 from mlxserve.models.deepseek_v4 import ModelArgs
 from mlxserve.models.deepseek_v4.hyper_connections import HyperConnection
 
@@ -44,3 +47,12 @@ def test_the_models_hyper_connection_equals_v41s() -> None:
     streams = mx.random.normal((2, 5, 4, 32), key=mx.random.key(3))
     for mine, reference in zip(ours(streams), theirs(streams), strict=True):
         assert mx.array_equal(mine, reference)
+
+
+def test_a_kernel_that_cannot_run_is_not_used(caplog: pytest.LogCaptureFixture) -> None:
+    """The self-check behind the CUDA dispatch: here the kernel cannot even be
+    built (no CUDA back-end), so it reports False, with a warning, and is not used."""
+    cuda_kernel_agrees.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="mlxserve.kernels.sinkhorn"):
+        assert not cuda_kernel_agrees(4, 20)
+    assert "using the op loop" in caplog.text
