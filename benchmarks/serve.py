@@ -1,7 +1,8 @@
 """Streaming latency and throughput of `mlxserve` against `mlx_lm.server`, as JSON.
 
     python benchmarks/serve.py [--clients 1,2,4,8,16] [--requests 3] [--max-tokens 128]
-                               [--out results.json] [--skip-demo]
+                               [--generic {qwen3-moe,tiny-llama}] [--out results.json]
+                               [--skip-demo]
 
 For 1, 2, 4, 8 and 16 concurrent streaming clients (each sending `--requests`
 requests one after the other), it measures aggregate tokens/s, time to first
@@ -12,9 +13,13 @@ cache; `memory_before`: the same after the level's warm-up):
 
 - `comparison`: mlxserve and mlx_lm.server serving the same model in the same
   run, and their ratios (mlxserve / mlx_lm). mlx_lm.server cannot load the
-  demo model (DeepSeek-V4 is not an mlx-lm model type), so both serve a tiny
-  random llama (2 layers, width 64) saved to a temporary directory with the
-  demo's tokenizer; speculative decoding is off (llama has no MTP module).
+  demo model (DeepSeek-V4 is not an mlx-lm model type), so both serve a random
+  float32 mlx-lm model saved to a temporary directory with the demo's
+  tokenizer (`--generic`): by default the continuous-batching issue's 35.8M
+  Qwen3-MoE, or a tiny llama (2 layers, width 64), quick but too small for the
+  memory ratio to be about the caches. Speculative decoding is off (neither
+  has an MTP module); the report names the model and its parameter count,
+  mlxserve's engine line and whether both servers' greedy texts agree.
 - `demo`: mlxserve alone on the built-in demo model (MTP speculative decoding
   on), the model the README serves.
 
