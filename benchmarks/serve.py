@@ -1,7 +1,8 @@
 """Streaming latency and throughput of `mlxserve` against `mlx_lm.server`, as JSON.
 
     python benchmarks/serve.py [--clients 1,2,4,8,16] [--requests 3] [--max-tokens 128]
-                               [--out results.json] [--skip-demo]
+                               [--generic {qwen3-moe,tiny-llama}] [--out results.json]
+                               [--skip-demo]
 
 For 1, 2, 4, 8 and 16 concurrent streaming clients (each sending `--requests`
 requests one after the other), it measures aggregate tokens/s, time to first
@@ -12,9 +13,13 @@ cache; `memory_before`: the same after the level's warm-up):
 
 - `comparison`: mlxserve and mlx_lm.server serving the same model in the same
   run, and their ratios (mlxserve / mlx_lm). mlx_lm.server cannot load the
-  demo model (DeepSeek-V4 is not an mlx-lm model type), so both serve a tiny
-  random llama (2 layers, width 64) saved to a temporary directory with the
-  demo's tokenizer; speculative decoding is off (llama has no MTP module).
+  demo model (DeepSeek-V4 is not an mlx-lm model type), so both serve a random
+  float32 mlx-lm model saved to a temporary directory with the demo's
+  tokenizer (`--generic`): by default the continuous-batching issue's 35.8M
+  Qwen3-MoE, or a tiny llama (2 layers, width 64), quick but too small for the
+  memory ratio to be about the caches. Speculative decoding is off (neither
+  has an MTP module); the report names the model and its parameter count,
+  mlxserve's engine line and whether both servers' greedy texts agree.
 - `demo`: mlxserve alone on the built-in demo model (MTP speculative decoding
   on), the model the README serves.
 
@@ -93,6 +98,12 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"{self.proc.args} not ready; see {self.log.name}")
 
+    def backend_line(self) -> str | None:
+        """mlxserve's startup line for its engine (model, context, speculative depth)."""
+        self.log.flush()
+        text = Path(self.log.name).read_text(errors="replace")
+        return next((line for line in text.splitlines() if "speculative depth" in line), None)
+
     def tail(self, lines: int = 20) -> str:
         self.log.flush()
         return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
@@ -165,6 +176,24 @@ async def one_request(
         "tokens": usage_tokens if usage_tokens is not None else len(times),
         "retries": attempt,
     }
+
+
+#: Prompts of the greedy check, and the tokens it asks each for.
+GREEDY_PROMPTS = (PROMPT, "The quick brown fox")
+GREEDY_TOKENS = 16
+
+
+def greedy_texts(server: Server) -> list[str]:
+    """Each greedy prompt's completion, alone and unstreamed: both servers should agree."""
+    texts = []
+    for prompt in GREEDY_PROMPTS:
+        body = {"model": server.model, "prompt": prompt, "max_tokens": GREEDY_TOKENS}
+        response = httpx.post(
+            f"{server.url}/v1/completions", json={**body, "temperature": 0}, timeout=600
+        )
+        response.raise_for_status()
+        texts.append(response.json()["choices"][0]["text"])
+    return texts
 
 
 def engine_memory(server: Server) -> dict[str, int] | None:
@@ -295,6 +324,13 @@ def memory_ratio(results: list[dict[str, Any]], clients: int) -> dict[str, Any] 
     bounded by ``[engine] prefix_cache_mb``: ``ratio`` leaves out what it held when
     the level began (``prefix_cache_bytes``; entries it adds during the level stay
     in the peak), ``ratio_with_prefix_cache`` counts all of it in the peak.
+
+    With real-sized weights the ratio is mostly the weights over themselves (on
+    the 35.8M Qwen3-MoE eight short requests' caches are 2% of the budget, so a
+    transient copy of the whole batch moves it by 2%). ``caches_ratio`` is the part
+    the caches decide: the peak above the weights (and the prefix cache at the
+    level's start) over the ``clients`` caches: about 1 when the batch is held
+    once, about 2 or more when it is briefly held twice.
     """
     one, many = level(results, 1), level(results, clients)
     if not one or not many or not one["memory"] or not many["memory"]:
@@ -314,38 +350,112 @@ def memory_ratio(results: list[dict[str, Any]], clients: int) -> dict[str, Any] 
         "prefix_cache_bytes": prefix,
         "ratio": round((peak - prefix) / budget, 3) if budget else None,
         "ratio_with_prefix_cache": round(peak / budget, 3) if budget else None,
+        "caches_ratio": round((peak - prefix - weights) / (clients * cache), 3) if cache else None,
     }
 
 
-def build_tiny_llama(out_dir: Path) -> Path:
+#: The tiny llama: 2 layers of width 64 (0.8 MB of float32 weights). Fast, but at
+#: this size fixed activation buffers dominate the memory ratio.
+TINY_LLAMA: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 1024,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 2048,
+}
+
+#: The issue's generic model: a float32 Qwen3-MoE of 35.8M parameters (143 MB), every
+#: layer sparse (16 experts, top 4), grouped-query attention with 2 KV heads. The
+#: vocabulary is the demo tokenizer's (1024 ids, its special tokens among them).
+QWEN3_MOE: dict[str, Any] = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 512,
+    "num_hidden_layers": 5,
+    "intermediate_size": 1024,  # dense MLP width: unused, every layer is an MoE
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 256,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "vocab_size": 1024,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 4096,
+}
+
+DEMO_WEIGHTS = REPO / "mlxserve" / "models" / "demo" / "weights"
+
+
+def parameter_count(model: Any) -> int:
+    """Elements in the model's parameters (counted from shapes: nothing is evaluated)."""
+    from mlx.utils import tree_flatten
+
+    return sum(int(array.size) for _, array in tree_flatten(model.parameters()))
+
+
+def random_model(config: dict[str, Any], seed: int = 0) -> Any:
+    """An mlx-lm model of ``config`` with random float32 weights (lazy until evaluated)."""
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    return model_class(args_class.from_dict(config))
+
+
+def build_generic(out_dir: Path, config: dict[str, Any], seed: int = 0) -> Path:
+    """Save a random model of ``config`` as an mlx-lm directory, with the demo tokenizer.
+
+    Built offline: mlx-lm's ``save_model`` writes the weights, ``config.json`` is
+    ``config`` itself, and the tokenizer files are the demo's (its 1024 ids fit
+    ``vocab_size``), so both servers load the directory as an mlx-lm model.
+    """
     import shutil
 
     import mlx.core as mx
-    from mlx_lm.models import llama
     from mlx_lm.utils import save_model
 
-    config = {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 1024,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 2048,
-    }
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    if int(config["vocab_size"]) < 1024:
+        raise ValueError("vocab_size must hold the demo tokenizer's 1024 ids")
+    model = random_model(config, seed)
     mx.eval(model.parameters())
+    out_dir.mkdir(parents=True, exist_ok=True)
     save_model(out_dir, model)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    weights = REPO / "mlxserve" / "models" / "demo" / "weights"
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (weights / name).exists():
-            shutil.copyfile(weights / name, out_dir / name)
+        if (DEMO_WEIGHTS / name).exists():
+            shutil.copyfile(DEMO_WEIGHTS / name, out_dir / name)
     return out_dir
+
+
+def describe(config: dict[str, Any], parameters: int) -> str:
+    """One line for the report: what the generic model is."""
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    shape = f"{layers} layers, hidden {hidden}"
+    if config["model_type"] == "qwen3_moe":
+        name = "Qwen3-MoE"
+        shape += (
+            f", {config['num_experts']} experts top-{config['num_experts_per_tok']}"
+            f" of width {config['moe_intermediate_size']}"
+        )
+    else:
+        name = str(config["model_type"])
+    shape += f", {config['num_key_value_heads']} KV heads, vocab {config['vocab_size']}"
+    return f"random float32 {name}, {parameters / 1e6:.1f}M parameters ({shape}, demo tokenizer)"
+
+
+#: ``--generic`` choices: name -> config.
+GENERIC = {"qwen3-moe": QWEN3_MOE, "tiny-llama": TINY_LLAMA}
 
 
 def main() -> int:
@@ -355,6 +465,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument(
+        "--generic",
+        choices=sorted(GENERIC),
+        default="qwen3-moe",
+        help="the model both servers serve (default: the issue's 35.8M Qwen3-MoE)",
+    )
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
     report: dict[str, Any] = {
@@ -367,21 +483,37 @@ def main() -> int:
             "greedy": True,
         },
     }
+    config = GENERIC[args.generic]
+    parameters = parameter_count(random_model(config))
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(build_tiny_llama(Path(tmp) / "tiny-llama"))
-        results = {}
+        model = str(build_generic(Path(tmp) / args.generic, config))
+        results, greedy, backend = {}, {}, None
         for name, factory, extra in (
             ("mlxserve", mlxserve, {"ignore_eos": True}),
             ("mlx_lm", mlx_lm_server, {}),
         ):
             server = factory(model, free_port())
             try:
+                server.wait_ready()
+                greedy[name] = greedy_texts(server)
+                if name == "mlxserve":
+                    backend = server.backend_line()
                 results[name] = measure(server, levels, args.requests, args.max_tokens, extra)
             finally:
                 server.stop()
             print(f"{name}: done", file=sys.stderr)
         report["comparison"] = {
-            "model": "tiny random llama (2 layers, hidden 64, vocab 1024, demo tokenizer)",
+            "model": describe(config, parameters),
+            "generic": args.generic,
+            "parameters": parameters,
+            "config": config,
+            "mlxserve_backend": backend,
+            "greedy": {
+                "max_tokens": GREEDY_TOKENS,
+                "agree": greedy["mlxserve"] == greedy["mlx_lm"],
+                "mlxserve": greedy["mlxserve"],
+                "mlx_lm_server": greedy["mlx_lm"],
+            },
             "mlxserve": results["mlxserve"],
             "mlx_lm_server": results["mlx_lm"],
             "ratio_mlxserve_over_mlx_lm": ratios(results["mlxserve"], results["mlx_lm"]),

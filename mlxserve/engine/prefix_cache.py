@@ -58,10 +58,15 @@ class PrefixCache:
         its caller gives up)."""
         if self.max_entries <= 0 or not tokens or tokens in self._entries:
             return
-        nbytes = self.adapter.nbytes(state)
-        if nbytes > self.max_bytes:
+        # A state over the bound is not copied at all (its copy could still fit, but
+        # making it would hold the state twice for nothing when it does not).
+        if self.adapter.nbytes(state) > self.max_bytes:
             return
-        self._entries[tokens] = _Entry(state if owned else self.adapter.snapshot(state), nbytes)
+        kept = state if owned else self.adapter.snapshot(state)
+        # Counted as kept: a copy holds the positions, not the source's allocation
+        # (mlx-lm caches grow in steps); counting that overstated what is held.
+        nbytes = self.adapter.nbytes(kept)
+        self._entries[tokens] = _Entry(kept, nbytes)
         self._bytes += nbytes
         while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
             _, evicted = self._entries.popitem(last=False)

@@ -169,7 +169,10 @@ def test_rows_kept_for_reuse_do_not_keep_the_batch_alive(llama_model: Module) ->
     engine.run_once()  # idle: the batch has left
     gc.collect()
     mx.synchronize()
-    assert mx.get_active_memory() - before <= 1.1 * engine.prefix_cache.nbytes + 4096
+    # The prefix cache counts its copies' bytes exactly; MLX may place a small copy in
+    # a larger freed buffer (here 1.3x the 270 KB counted, over all entries). The
+    # batch kept alive would add its 6-row ring, 295 KB: over 2x.
+    assert mx.get_active_memory() - before <= 1.6 * engine.prefix_cache.nbytes + 4096
 
 
 class _Done:
