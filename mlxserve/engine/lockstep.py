@@ -156,7 +156,7 @@ def follow(engine: Any, group: Any, max_messages: int | None = None) -> int:
             break
         if message.warm_up_over:
             engine.forget_warm_up()
-            log.info("warm-up over (%d steps, run with rank 0): forgotten as there", warm_up_steps)
+            log.info("warm-up over (%d steps with rank 0); forgotten, as on rank 0", warm_up_steps)
         if message.warm_up and not engine.warming_up:
             log.info("warm-up: following rank 0's")
         engine.warming_up = message.warm_up
