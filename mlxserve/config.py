@@ -129,7 +129,8 @@ class EngineSettings(_Section):
         "auto",
         description="Run a few requests through the engine before serving, so kernels that "
         "compile on first use (a GPU: tens of seconds on CUDA) do not stall the first "
-        "client. 'auto': on a GPU, off on a CPU. Single-rank engines only.",
+        "client. 'auto': on a GPU, off on a CPU. A tensor-parallel group warms up on "
+        "every rank.",
     )
 
 

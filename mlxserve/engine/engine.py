@@ -157,6 +157,9 @@ class Engine:
         self.progress = 0
         self.current_step: StepPlan | None = None
         self.step_started_at = 0.0
+        # Set while the engine warms up (`mlxserve.engine.warmup`), on a follower
+        # while it runs rank 0's warm-up steps: the watchdog allows such steps longer.
+        self.warming_up = False
         self.step_times = StepTimes(cold_s=config.cold_step_s)
         # MLX's peak is reset whenever the engine goes idle (`_idle`): `busy_peak_bytes`
         # is then the peak of the current busy period, `_serving_peak` the ones before.
@@ -214,7 +217,10 @@ class Engine:
     def forget_warm_up(self) -> None:
         """Keep nothing of requests run before serving (`mlxserve.engine.warmup`) but
         compiled kernels and the depth calibration: no prefix-cache entries, step
-        times, memory peaks or acceptance and round times."""
+        times, memory peaks or acceptance and round times. Rank 0 of a tensor-parallel
+        group tells its followers, which forget theirs too (`lockstep.follow`)."""
+        if self.lockstep is not None:
+            self.lockstep.warm_up_over()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.step_times.clear()
@@ -361,7 +367,7 @@ class Engine:
             if self.lockstep is not None:
                 # Inside the step, so a follower that never answers is a stalled step
                 # for the watchdog, like a forward whose all_sum never completes.
-                self.lockstep.publish(plan)
+                self.lockstep.publish(plan, self.warming_up)
             if self.before_step is not None:
                 self.before_step(plan)
             if self.chooser is None and plan.kind == "speculate" and any(s.auto for s in sequences):

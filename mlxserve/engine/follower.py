@@ -42,6 +42,7 @@ def run_follower(settings: Settings) -> int:
     from mlxserve.engine.build import build_engine
     from mlxserve.engine.lockstep import Diverged, follow
     from mlxserve.engine.process import configure_logging
+    from mlxserve.engine.warmup import WARM_UP_STEP_S
     from mlxserve.policy.build import build_plan
     from mlxserve.reliability.faults import FaultInjector, Faults, active_faults
     from mlxserve.reliability.watchdog import Watchdog
@@ -69,7 +70,8 @@ def run_follower(settings: Settings) -> int:
     )
     # Every rank watches its own steps: a collective that never completes here
     # (a peer gone or wedged) ends this rank with exit 75, as on rank 0.
-    watchdog = Watchdog(engine, plan.progress_timeout_s())
+    # Rank 0's warm-up steps (`mlxserve.engine.warmup`) are allowed longer.
+    watchdog = Watchdog(engine, plan.progress_timeout_s(), warm_up_timeout_s=WARM_UP_STEP_S)
     watchdog.start()
     try:
         steps = follow(engine, group)

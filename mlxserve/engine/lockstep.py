@@ -9,11 +9,19 @@ for the next plan, and check that it is rank 0's: the scheduler is deterministic
 so a difference means the ranks diverged, and they stop rather than compute
 garbage. Every rank then runs the step; the sharded model's collectives (all_sum)
 make their logits, and so their tokens, identical.
+
+Rank 0's warm-up (`mlxserve.engine.warmup`) runs through this path too, so every
+rank compiles the same kernels and calibrates the automatic depth in the same
+step. Its steps are marked (`warm_up`): a follower's watchdog then allows them the
+warm-up's time. The first step after it says the warm-up is over
+(`warm_up_over`), and the followers forget it as rank 0 did, before that step's
+admissions: a prefix-cache entry kept on one rank only would change its plans.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +30,8 @@ from mlxserve.cluster.broadcast import broadcast_bytes
 from mlxserve.engine.process_front import to_request
 from mlxserve.engine.request import GenerationRequest
 from mlxserve.engine.step_plan import StepPlan
+
+log = logging.getLogger(__name__)
 
 
 class Diverged(RuntimeError):
@@ -60,6 +70,10 @@ class StepMessage:
     cancelled: list[str] = field(default_factory=list)
     plan: StepPlan | None = None
     stop: bool = False
+    # The step is one of rank 0's warm-up (it may compile for long).
+    warm_up: bool = False
+    # Rank 0's warm-up is over: forget it before the changes of this message.
+    warm_up_over: bool = False
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -68,6 +82,8 @@ class StepMessage:
                 "cancelled": self.cancelled,
                 "plan": json.loads(self.plan.to_json()) if self.plan else None,
                 "stop": self.stop,
+                "warm_up": self.warm_up,
+                "warm_up_over": self.warm_up_over,
             },
             separators=(",", ":"),
         ).encode()
@@ -81,6 +97,8 @@ class StepMessage:
             cancelled=[str(c) for c in raw["cancelled"]],
             plan=plan,
             stop=bool(raw["stop"]),
+            warm_up=bool(raw["warm_up"]),
+            warm_up_over=bool(raw["warm_up_over"]),
         )
 
 
@@ -99,15 +117,22 @@ class LockstepLeader:
     def cancelled(self, request_id: str) -> None:
         self._message.cancelled.append(request_id)
 
-    def publish(self, plan: StepPlan) -> None:
-        """Broadcast the changes since the last step, and ``plan``.
+    def warm_up_over(self) -> None:
+        """Rank 0 forgot its warm-up: the followers will, with the next step."""
+        self._message.warm_up_over = True
 
-        Changes with no step after them (a cancellation that leaves nothing to run)
-        wait for the next step: the scheduler chose nothing in between, so the
-        followers reach the same state by applying them just before it.
+    def publish(self, plan: StepPlan, warm_up: bool = False) -> None:
+        """Broadcast the changes since the last step, and ``plan`` (a warm-up's step
+        when ``warm_up``).
+
+        Changes with no step after them (a cancellation that leaves nothing to run,
+        the end of the warm-up) wait for the next step: the scheduler chose nothing
+        in between, so the followers reach the same state by applying them just
+        before it. So the broadcast is always inside a step, which the watchdog sees.
         """
         message, self._message = self._message, StepMessage()
         message.plan = plan
+        message.warm_up = warm_up
         broadcast_bytes(self.group, message.to_bytes())
 
     def stop(self) -> None:
@@ -118,15 +143,24 @@ def follow(engine: Any, group: Any, max_messages: int | None = None) -> int:
     """A follower rank's loop: mirror rank 0's engine until it says stop.
 
     Returns the number of steps run. Raises ``Diverged`` when this rank's scheduler
-    disagrees with rank 0's plan.
+    disagrees with rank 0's plan. ``engine.warming_up`` follows rank 0's marks, for
+    this rank's watchdog.
     """
     steps = 0
     received = 0
+    warm_up_steps = 0
     while max_messages is None or received < max_messages:
         message = StepMessage.from_bytes(broadcast_bytes(group, None))
         received += 1
         if message.stop:
             break
+        if message.warm_up_over:
+            engine.forget_warm_up()
+            log.info("warm-up over (%d steps with rank 0); forgotten, as on rank 0", warm_up_steps)
+        if message.warm_up and not engine.warming_up:
+            log.info("warm-up: following rank 0's")
+        engine.warming_up = message.warm_up
+        warm_up_steps += message.warm_up
         for request in message.submitted:
             engine.admit_mirrored(request)
         for request_id in message.cancelled:

@@ -165,6 +165,7 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
         log.warning("plan: %s (rule %s)", warning.message, warning.rule)
 
     from mlxserve.engine.build import build_engine
+    from mlxserve.engine.warmup import WARM_UP_STEP_S
     from mlxserve.reliability.faults import FaultInjector
     from mlxserve.reliability.orphan import watch_parent
     from mlxserve.reliability.watchdog import Watchdog
@@ -172,6 +173,10 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     engine, loaded = build_engine(settings, plan, membership.rank, membership.group)
     # The peak memory reported with each request is the serving peak, not loading's.
     mx.reset_peak_memory()
+    # Watching from the warm-up on: a group that wedges there ends (exit 75) rather
+    # than waiting for the front's startup timeout.
+    watchdog = Watchdog(engine, plan.progress_timeout_s(), warm_up_timeout_s=WARM_UP_STEP_S)
+    watchdog.start()
     _warm_up(settings, engine, loaded)
     if faults.armed:
         log.warning("FAULT INJECTION ARMED (tests only): %s", faults.describe())
@@ -188,8 +193,6 @@ def _run(args: argparse.Namespace, signals: _Signals) -> int:
     )
     loop = EngineLoop(engine)
     loop.start()
-    watchdog = Watchdog(engine, plan.progress_timeout_s())
-    watchdog.start()
     desk = FrontDesk(engine, hello, info.vocab_size)
     signals.serving = True  # from here a signal lets `serve` return and clean up
     watch_parent(signals.stop.set)
@@ -223,17 +226,15 @@ def _warm_up(settings: Settings, engine: Engine, loaded: LoadedModel) -> None:
 
     if not wanted(settings.engine.warm_up, device_type()):
         return
-    if engine.lockstep is not None:
-        # Followers would have to run the same steps under their own watchdogs.
-        log.info("warm-up skipped: tensor-parallel engines warm up on their first requests")
-        return
+    # Under tensor parallelism the followers run the same steps (`lockstep`).
     prompt = tuple(loaded.tokenizer.encode("Warm up: say hello.")) or (0,)
     try:
         seconds = warm_up(engine, prompt)
     except RuntimeError as exc:  # serving shows the same failure on a real request
         log.warning("warm-up failed: %s", exc)
         return
-    log.info("warm-up: %.1f s (kernels compiled, depth costs measured)", seconds)
+    ranks = f", on all {engine.lockstep.group.size()} ranks" if engine.lockstep else ""
+    log.info("warm-up: %.1f s (kernels compiled, depth costs measured%s)", seconds, ranks)
 
 
 def serve(listener: socket.socket, desk: FrontDesk, stop: threading.Event) -> None:

@@ -14,6 +14,12 @@ What it leaves behind is only what serving would have built anyway: compiled
 kernels and the depth calibration. Its prefix-cache entries, step times, memory
 peaks and acceptance and round times are dropped, so the front's hang limits,
 the reported peaks and the automatic depth start from serving.
+
+Under tensor parallelism rank 0's warm-up requests take the normal lockstep path,
+so every follower runs the same steps (the depth calibration included) and
+forgets them as rank 0 does (`mlxserve.engine.lockstep`). While it runs, every
+rank's watchdog allows a step `WARM_UP_STEP_S` rather than the plan's progress
+timeout (30 s), which a compiling step can exceed.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ log = logging.getLogger(__name__)
 WARM_UP_TOKENS = 24
 #: Steps the warm-up may take (it needs about 60): a bound, not a budget.
 MAX_STEPS = 10_000
+#: The longest a warm-up step may make no progress before the watchdog ends its
+#: rank: about 10x the 32-36 s a first step took on the H200 with the demo model
+#: (a larger model compiles more kernels), and within the front's 600 s default
+#: `startup_timeout_s`, so a rank that wedges while warming up still ends.
+WARM_UP_STEP_S = 300.0
 
 
 def wanted(setting: bool | Literal["auto"], device_type: str) -> bool:
@@ -51,14 +62,18 @@ def warm_up(engine: Engine, prompt: tuple[int, ...]) -> float:
     if not prompt:
         raise ValueError("the warm-up needs a prompt of at least one token")
     started = time.monotonic()
-    _run(engine, [GenerationRequest("warm-up-0", prompt, WARM_UP_TOKENS)])
-    # A second prompt (the first one's plus one token) so the pair prefills rather
-    # than reusing the first request's prefix entry only.
-    pair = (prompt, (*prompt, prompt[-1]))
-    _run(
-        engine,
-        [GenerationRequest(f"warm-up-{i + 1}", p, WARM_UP_TOKENS) for i, p in enumerate(pair)],
-    )
+    engine.warming_up = True
+    try:
+        _run(engine, [GenerationRequest("warm-up-0", prompt, WARM_UP_TOKENS)])
+        # A second prompt (the first one's plus one token) so the pair prefills rather
+        # than reusing the first request's prefix entry only.
+        pair = (prompt, (*prompt, prompt[-1]))
+        _run(
+            engine,
+            [GenerationRequest(f"warm-up-{i + 1}", p, WARM_UP_TOKENS) for i, p in enumerate(pair)],
+        )
+    finally:
+        engine.warming_up = False
     engine.forget_warm_up()
     return time.monotonic() - started
 

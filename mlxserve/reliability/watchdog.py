@@ -13,6 +13,11 @@ this engine). At `soft_fraction` of the timeout it only warns, once per step.
 Time is counted from when the watchdog first saw the current step in flight
 (or the last progress), never across idle periods: an engine that waited an
 hour for work and then starts a step has a full timeout for that step.
+
+While the engine warms up (`mlxserve.engine.warmup`: its steps compile kernels,
+tens of seconds each on CUDA) a step may take up to `warm_up_timeout_s` instead,
+when that is longer: a bounded allowance, so a group that wedges during the
+warm-up still ends, and serving's steps keep the plan's timeout.
 """
 
 import faulthandler
@@ -44,6 +49,9 @@ class Watched(Protocol):
     @property
     def current_step(self) -> StepPlan | None: ...
 
+    @property
+    def warming_up(self) -> bool: ...
+
 
 @dataclass(frozen=True)
 class Stall:
@@ -52,6 +60,7 @@ class Stall:
     step: StepPlan
     progress: int
     stalled_for_s: float
+    timeout_s: float
 
 
 class Watchdog:
@@ -67,6 +76,7 @@ class Watchdog:
         timeout_s: float,
         *,
         soft_fraction: float = 0.5,
+        warm_up_timeout_s: float = 0.0,
         poll_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         exit: Callable[[int], object] = os._exit,
@@ -76,9 +86,12 @@ class Watchdog:
             raise ValueError("timeout_s must be > 0")
         if not 0 < soft_fraction < 1:
             raise ValueError("soft_fraction must be in (0, 1)")
+        if warm_up_timeout_s < 0:
+            raise ValueError("warm_up_timeout_s must be >= 0")
         self.target = target
         self.timeout_s = timeout_s
-        self.soft_timeout_s = timeout_s * soft_fraction
+        self.soft_fraction = soft_fraction
+        self.warm_up_timeout_s = max(timeout_s, warm_up_timeout_s)
         # Detection lags by at most one poll; a tenth of the timeout, within [10 ms, 1 s].
         self.poll_s = poll_s if poll_s is not None else min(1.0, max(0.01, timeout_s / 10))
         self._clock = clock
@@ -120,12 +133,13 @@ class Watchdog:
             self._watching = step is not None
             return "idle" if step is None else "progressing"
         stalled_for = now - self._since
-        if stalled_for >= self.timeout_s:
+        timeout_s = self.limit_s()
+        if stalled_for >= timeout_s:
             if not self._fired:
                 self._fired = True
-                self._fire(Stall(step, progress, stalled_for))
+                self._fire(Stall(step, progress, stalled_for, timeout_s))
             return "stalled"
-        if stalled_for >= self.soft_timeout_s:
+        if stalled_for >= timeout_s * self.soft_fraction:
             if not self._warned:
                 self._warned = True
                 log.warning(
@@ -135,10 +149,15 @@ class Watchdog:
                     step.kind,
                     ", ".join(step.request_ids),
                     stalled_for,
-                    self.timeout_s,
+                    timeout_s,
                 )
             return "slow"
         return "progressing"
+
+    def limit_s(self) -> float:
+        """The seconds the current step may go without progress: the warm-up's
+        allowance while the engine warms up, else the timeout."""
+        return self.warm_up_timeout_s if self.target.warming_up else self.timeout_s
 
     def _fire(self, stall: Stall) -> None:
         try:
@@ -155,7 +174,7 @@ class Watchdog:
         step = stall.step
         lines = [
             f"watchdog: no progress for {stall.stalled_for_s:.1f} s "
-            f"(progress_timeout_s={self.timeout_s:g}); exiting with code {STALL_EXIT_CODE}",
+            f"({self._limit(stall)}); exiting with code {STALL_EXIT_CODE}",
             f"  stuck step: index={step.index} kind={step.kind} num_tokens={step.num_tokens}",
             f"  requests: {', '.join(step.request_ids) or '(none)'}",
             f"  steps finished: {stall.progress}",
@@ -163,6 +182,12 @@ class Watchdog:
             self._stacks(),
         ]
         return "\n".join(lines)
+
+    def _limit(self, stall: Stall) -> str:
+        limit = f"progress_timeout_s={self.timeout_s:g}"
+        if stall.timeout_s != self.timeout_s:
+            limit += f", warming up: {stall.timeout_s:g} s allowed"
+        return limit
 
 
 def dump_native_stacks() -> None:

@@ -16,6 +16,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.progress = 0
         self.current_step: StepPlan | None = None
+        self.warming_up = False
 
 
 class FakeClock:
@@ -134,11 +135,52 @@ def test_each_stuck_step_gets_its_own_warning(
     assert len(messages) == 2 and "step 8 (prefill, requests req-c)" in messages[1]
 
 
+def test_a_warm_up_step_gets_the_allowance_and_no_more(
+    engine: FakeEngine,
+    clock: FakeClock,
+    exits: list[int],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A compiling warm-up step may outlast the timeout, up to the allowance; serving's
+    steps keep the timeout."""
+    watchdog = Watchdog(
+        engine, 10.0, warm_up_timeout_s=100.0, clock=clock, exit=exits.append, stacks=lambda: ""
+    )
+    engine.warming_up = True
+    engine.current_step = STEP
+    assert watchdog.check() == "progressing"
+    clock.now += 49
+    assert watchdog.check() == "progressing"  # past the timeout, under the allowance's half
+    clock.now += 1
+    assert watchdog.check() == "slow"
+    engine.progress += 1  # the warm-up's step finished; a serving step follows
+    engine.warming_up = False
+    assert watchdog.check() == "progressing"
+    clock.now += 10
+    assert watchdog.check() == "stalled" and exits == [STALL_EXIT_CODE]
+
+    stalled = Watchdog(
+        engine, 10.0, warm_up_timeout_s=100.0, clock=clock, exit=exits.append, stacks=lambda: ""
+    )
+    engine.warming_up = True
+    with caplog.at_level(logging.CRITICAL, logger="mlxserve.reliability.watchdog"):
+        assert stalled.check() == "progressing"
+        clock.now += 99.9
+        assert stalled.check() == "slow" and len(exits) == 1
+        clock.now += 0.1
+        assert stalled.check() == "stalled" and len(exits) == 2  # bounded
+    reports = [r.getMessage() for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert "(progress_timeout_s=10)" in reports[0]
+    assert "(progress_timeout_s=10, warming up: 100 s allowed)" in reports[1]
+
+
 def test_bad_settings_are_rejected(engine: FakeEngine) -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         Watchdog(engine, 0)
     with pytest.raises(ValueError, match="soft_fraction"):
         Watchdog(engine, 1, soft_fraction=1.0)
+    with pytest.raises(ValueError, match="warm_up_timeout_s"):
+        Watchdog(engine, 1, warm_up_timeout_s=-1)
 
 
 def test_thread_fires_on_a_real_clock(engine: FakeEngine) -> None:

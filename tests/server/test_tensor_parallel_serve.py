@@ -2,9 +2,11 @@
 
 Started the way `mlx.launch` starts them (the same command and config per rank,
 MLX_RANK and MLX_HOSTFILE set), on loopback. The demo model is sharded over both
-ranks; a greedy chat completion equals `mlxserve generate` on one process, and
-Ctrl-C sent to both ranks (as `mlx.launch` forwards it) drains rank 0, whose engine
-then stops rank 1: both exit 0.
+ranks. The group warms up first (forced: "auto" skips it on a CPU): rank 0's
+warm-up requests run on both ranks, the depth calibration in them, and both ranks
+forget them. A greedy chat completion then equals `mlxserve generate` on one
+process (no warm-up there), and Ctrl-C sent to both ranks (as `mlx.launch`
+forwards it) drains rank 0, whose engine then stops rank 1: both exit 0.
 """
 
 import json
@@ -23,6 +25,8 @@ pytestmark = pytest.mark.slow
 PROMPT = "Python reference: assert"
 CONFIG = """
 model = "demo"
+[engine]
+warm_up = true
 [server]
 port = 0
 ready_interval_s = 2.0
@@ -52,3 +56,9 @@ def test_two_ranks_serve_one_model(tmp_path: Path) -> None:
         _, err = follower.communicate(timeout=60)
         assert follower.returncode == 0, err[-2000:]
         assert "rank 0 stopped after" in err
+        # The warm-up ran on both ranks, the calibration in it on the follower too,
+        # and the follower forgot it with rank 0's first serving step.
+        assert any("warm-up:" in line for line in front.lines), front.tail()
+        following = err.index("warm-up: following rank 0's")
+        over = err.index("warm-up over (")
+        assert following < err.index("speculative round costs") < over, err[-3000:]
