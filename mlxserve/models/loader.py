@@ -28,13 +28,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx.nn.layers.base import Module
 
 from mlxserve.errors import UsageError
 
 from .safetensors_header import HeaderError, TensorInfo, read_checkpoint
+
+if TYPE_CHECKING:
+    from mlxserve.policy.split import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -450,3 +453,31 @@ def sharded_load(
     mx.eval(model.parameters())  # type: ignore[no-untyped-call]
     return model, tokenizer
 
+
+def model_shape(path: str | Path) -> ModelShape | None:
+    """What the split policy needs of a local DeepSeek-V4 directory (``policy.split``),
+    from its config and safetensors headers; None for anything else (a named source,
+    a Hub id, another model type), whose split stays even."""
+    from mlxserve.policy.split import ModelShape
+
+    directory = Path(path)
+    named = str(path) in _SOURCES or str(path) in _BUILTIN_SOURCES
+    if named or not (directory / "config.json").is_file():
+        return None
+    import json
+
+    # Not mlx_lm's load_config: importing mlx_lm.utils takes seconds (transformers), and
+    # the plan is built before anything else starts.
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"model {str(directory)!r}: cannot read config.json: {exc}") from None
+    if not isinstance(config, dict) or config.get("model_type") != "deepseek_v4":
+        return None
+    from .deepseek_v4.dspark import drop_draft_head, has_dspark_head
+    from .deepseek_v4.memory import shape_numbers
+
+    tensors = _read_tensors(directory)
+    if has_dspark_head(config, tensors):
+        tensors = drop_draft_head(tensors)
+    return ModelShape(**shape_numbers(config, tensors))

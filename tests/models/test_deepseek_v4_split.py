@@ -128,3 +128,23 @@ def test_the_memory_count_follows_the_split() -> None:
     assert weight_bytes(tensors, 2) == sharded // 2 + whole
     assert weight_bytes(tensors, 2, split=[3, 1], rank=0) == sharded * 3 // 4 + whole
     assert weight_bytes(tensors, 2, split=[3, 1], rank=1) == sharded // 4 + whole
+
+
+def test_the_plan_reads_the_split_granularity_and_bytes_from_the_headers(
+    tmp_path: Path,
+) -> None:
+    """``model_shape``: 4 output groups and 4 quantisation groups per expert column range
+    (``wo_b`` not quantised) give 4 parts; the bytes add up to what the loader counts."""
+    from mlxserve.models.loader import model_shape
+    from mlxserve.models.safetensors_header import read_checkpoint
+    from tests.models.tp_worker import save_checkpoint
+
+    path = save_checkpoint(_model(True), tmp_path / "m", {"group_size": 32, "bits": 4})
+    shape = model_shape(path)
+    assert shape is not None and shape.granularity == 4
+    check_shardable(_model(True), 2, [3, 1])  # what 4 parts allow, the model takes
+    tensors = read_checkpoint(path)
+    assert shape.replicated_bytes + shape.sharded_bytes == weight_bytes(tensors)
+    assert shape.replicated_bytes + shape.sharded_bytes // 2 == weight_bytes(tensors, 2)
+    assert 0 < shape.sharded_read < shape.sharded_bytes
+    assert model_shape("demo") is None

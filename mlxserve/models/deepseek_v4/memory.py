@@ -70,17 +70,21 @@ def expert_group_size(config: Mapping[str, Any]) -> int:
     return 1
 
 
-def split_granularity(config: Mapping[str, Any]) -> int:
+def split_granularity(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) -> int:
     """Most equal parts the sharded tensors can be cut into: whole output groups (so
-    whole heads), whole expert columns and whole quantisation groups of the experts and
-    of ``wo_b``'s input (``sharding.split_problems`` checks the loaded model itself)."""
+    whole heads), whole expert columns and whole quantisation groups of the quantised
+    experts and ``wo_b`` input columns (``sharding.split_problems`` checks the loaded
+    model itself). Which tensors are quantised, the headers say (their scales)."""
     groups = int(config.get("o_groups", 8))
     inter = int(config.get("moe_intermediate_size", 2048))
     lora = int(config.get("o_lora_rank", 1024))
     size = expert_group_size(config)
+    scaled = [name for name in tensors if name.endswith((".scales", ".scale"))]
     granularity = math.gcd(groups, inter)
-    if size > 1:
-        granularity = math.gcd(granularity, inter // size, groups * lora // size)
+    if size > 1 and any(_ROUTED.search(n) or ".shared_experts." in n for n in scaled):
+        granularity = math.gcd(granularity, inter // size)
+    if size > 1 and any(".attn.wo_b." in name for name in scaled):
+        granularity = math.gcd(granularity, groups * lora // size)
     return max(granularity, 1)
 
 
@@ -99,5 +103,5 @@ def shape_numbers(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) 
         if _LOOKUP.search(name):
             continue
         numbers[f"{kind}_read"] += size * top_k // experts if _ROUTED.search(name) else size
-    numbers["granularity"] = split_granularity(config)
+    numbers["granularity"] = split_granularity(config, tensors)
     return numbers
