@@ -43,7 +43,7 @@ def explain_text(plan: Plan) -> str:
             reasons.setdefault(d.rule, {}).setdefault(d.reason, []).append(rank.rank)
     for d in plan.world.values():
         reasons.setdefault(d.rule, {}).setdefault(d.reason, [])
-    if plan.split is not None:
+    if plan.split is not None and plan.world_size > 1:
         reasons.setdefault(plan.split.rule, {}).setdefault(plan.split.reason, [])
     reasons.pop(OVERRIDE_RULE, None)
     for rule, by_reason in sorted(reasons.items()):
@@ -68,7 +68,7 @@ def explain_text(plan: Plan) -> str:
 def _split_lines(plan: Plan) -> list[str]:
     """The tensor-parallel split and, when the model is known, what each rank holds."""
     split = plan.split
-    if split is None:
+    if split is None or plan.world_size == 1:
         return []
     lines = [f"tensor_split: {split.text()} [{split.rule}]"]
     for rank in split.estimates:

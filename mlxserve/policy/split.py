@@ -5,9 +5,10 @@ per step, and the ranks wait for each other at every ``all_sum``. So a rank's st
 is estimated as the bytes it reads over its bandwidth, the sharded part weighted by
 the cost of the MoE variant it runs (``full`` on a NAX rank computes every simdgroup),
 and the split that makes the slowest rank fastest wins, among those whose shard fits
-every rank's memory. Weights are cut into ``parts`` equal parts (a count the model's
-output groups and quantisation groups allow, see ``ModelShape``); rank ``r`` takes
-``shares[r]`` of them (``mlxserve.models.deepseek_v4.sharding``).
+every rank's memory (with `WEIGHT_SHARE` headroom). Weights are cut into ``parts``
+equal parts (a count the model's output groups and quantisation groups allow, see
+``ModelShape``); rank ``r`` takes ``shares[r]`` of them
+(``mlxserve.models.deepseek_v4.sharding``).
 
 The even split stays unless the best uneven one is estimated `MIN_GAIN` faster or the
 even one does not fit: estimates are rough, and an even split is what every homogeneous
@@ -39,6 +40,11 @@ much faster, so a rough estimate never moves a cluster that is nearly balanced."
 METAL_USABLE = 0.75
 """Fraction of a Mac's unified memory the GPU may fill (the recommended working set
 without ``iogpu.wired_limit_mb``), as ``hardware.probe.usable_memory_bytes`` reads it."""
+
+WEIGHT_SHARE = 0.9
+"""Most of a rank's usable memory a proposed split fills with weights: the rest is left
+for the KV cache, activations and the system (the loader itself only refuses weights
+beyond the usable memory)."""
 
 MAX_PARTS = 64
 """Most parts considered: finer splits change the estimate by under 2%."""
@@ -148,7 +154,8 @@ class _Costs:
         return self.shape.replicated_bytes + math.ceil(self.shape.sharded_bytes * share / parts)
 
     def fits(self, rank: int, share: int, parts: int) -> bool:
-        return self.usable[rank] <= 0 or self.held(rank, share, parts) <= self.usable[rank]
+        limit = self.usable[rank] * WEIGHT_SHARE
+        return self.usable[rank] <= 0 or self.held(rank, share, parts) <= limit
 
     def step_ms(self, rank: int, share: int, parts: int) -> float:
         sharded = self.shape.sharded_read * share / parts * self.costs[rank]

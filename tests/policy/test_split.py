@@ -15,6 +15,7 @@ from mlxserve.policy.split import (
     FULL_COST,
     OVERRIDE_RULE,
     SPLIT_RULE,
+    WEIGHT_SHARE,
     ModelShape,
     decide_split,
     full_cost,
@@ -68,13 +69,14 @@ def test_the_faster_rank_takes_more_when_bandwidth_and_full_differ() -> None:
 
 
 def test_the_shard_must_fit_the_smaller_rank() -> None:
-    """A 64 GiB Mac (48 GiB usable) cannot hold half of 150 GiB: it gets a quarter."""
+    """A 64 GiB Mac (48 GiB usable, 90% of it for weights) cannot hold half of 150 GiB,
+    nor a quarter (45.5 GiB): it gets an eighth."""
     decision = plan("Apple M3 Ultra:memory=512,Apple M3 Ultra:memory=64").split
     assert decision is not None
-    assert decision.shares == [3, 1]
+    assert decision.shares == [7, 1]
     assert "does not fit rank 1" in decision.reason
     for estimate in decision.estimates:
-        assert estimate.held_bytes <= estimate.usable_bytes
+        assert estimate.held_bytes <= estimate.usable_bytes * WEIGHT_SHARE
 
 
 def test_a_model_that_fits_nowhere_stays_even_and_says_so() -> None:
