@@ -10,9 +10,10 @@ equal parts (a count the model's output groups and quantisation groups allow, se
 ``ModelShape``); rank ``r`` takes ``shares[r]`` of them
 (``mlxserve.models.deepseek_v4.sharding``).
 
-The even split stays unless the best uneven one is estimated `MIN_GAIN` faster or the
-even one does not fit: estimates are rough, and an even split is what every homogeneous
-cluster gets. An operator's ``[cluster] split`` replaces the choice (validated here).
+The even split stays unless the best uneven one is estimated `MIN_GAIN` faster, the
+even one does not fit, or the ranks cannot cut the model evenly (8 output groups over 3
+ranks): estimates are rough, and an even split is what every homogeneous cluster gets.
+An operator's ``[cluster] split`` replaces the choice (validated here).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ for the KV cache, activations and the system (the loader itself only refuses wei
 beyond the usable memory)."""
 
 MAX_PARTS = 64
-"""Most parts considered: finer splits change the estimate by under 2%."""
+"""Most parts considered (one part is then under 2% of the sharded weights), which keeps
+the search small."""
 
 SPLIT_RULE = "split-balance"
 EVEN_RULE = "split-even"
@@ -276,6 +278,14 @@ def propose_split(
         "" if costs.known else "; some rank's bandwidth is unknown, so ranks count as equally fast"
     )
     short = [r for r in range(ranks) if not costs.fits(r, 1, ranks)]
+    cuttable = shape.granularity % ranks == 0
+    if not choices:
+        return SplitDecision(
+            shares=even,
+            rule=EVEN_RULE,
+            reason=f"the model cuts into at most {shape.granularity} parts, fewer than "
+            f"{ranks} ranks: even split, which the loader will refuse",
+        )
     if best is None:
         return SplitDecision(
             shares=even,
@@ -285,7 +295,7 @@ def propose_split(
             estimates=_estimates(costs, even),
         )
     gain = costs.slowest(even) / costs.slowest(best)
-    if not short and (gain < MIN_GAIN or best == even):
+    if cuttable and not short and (gain < MIN_GAIN or best == even):
         return SplitDecision(
             shares=even,
             rule=EVEN_RULE,
@@ -294,11 +304,12 @@ def propose_split(
             f"split{equal}",
             estimates=_estimates(costs, even),
         )
-    why = (
-        f"the even split does not fit rank {_names(short)}"
-        if short
-        else f"the slowest rank's decode step is estimated {gain:.2f}x faster than even"
-    )
+    if not cuttable:
+        why = f"{ranks} ranks cannot split the model's {shape.granularity} parts evenly"
+    elif short:
+        why = f"the even split does not fit rank {_names(short)}"
+    else:
+        why = f"the slowest rank's decode step is estimated {gain:.2f}x faster than even"
     inputs = "; ".join(
         f"rank {r}: {_gib(costs.usable[r])} usable, "
         + (f"{costs.bandwidths[r]:g} GB/s" if costs.bandwidths[r] else "bandwidth unknown")

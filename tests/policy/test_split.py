@@ -172,3 +172,13 @@ def test_propose_never_exceeds_the_model_granularity() -> None:
         cluster("Apple M3 Ultra:memory=512,Apple M5 Max"), ["off", "full"], coarse
     )
     assert decision.shares == [1, 1]
+
+
+def test_three_ranks_split_a_model_of_eight_parts_as_evenly_as_it_can() -> None:
+    """8 output groups do not divide over 3 ranks; 3+3+2 of 8 parts does."""
+    decision = plan("Apple M3 Ultra,Apple M3 Ultra,Apple M3 Ultra").split
+    assert decision is not None
+    assert decision.shares == [3, 3, 2] and decision.rule == SPLIT_RULE
+    assert "3 ranks cannot split the model's 8 parts evenly" in decision.reason
+    too_many = propose_split(cluster(",".join(["Apple M3 Ultra"] * 16)), ["off"] * 16, FLASH)
+    assert too_many.shares == [1] * 16 and "at most 8 parts" in too_many.reason
