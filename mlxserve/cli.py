@@ -29,7 +29,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
         "--cluster",
         metavar="CHIPS",
         help="plan for a simulated cluster, e.g. 'Apple M3 Ultra,Apple M5 Max' "
-        "(per rank: CHIP[:macos=V][:mlx=V]; 'cpu' or 'cuda' for a Linux CPU or NVIDIA rank)",
+        "(per rank: CHIP[:macos=V][:mlx=V][:memory=GiB]; 'cpu' or 'cuda' for a Linux CPU or "
+        "NVIDIA rank)",
     )
     parser.add_argument(
         "--backend",
@@ -299,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain = policy_commands.add_parser("explain", help="print the plan and why")
     _add_config_flags(explain)
     explain.add_argument("--json", action="store_true", help="print the plan as JSON")
+    explain.add_argument(
+        "--model",
+        help="model directory the tensor-parallel split is planned for (default: from config)",
+    )
     explain.set_defaults(handler=_cmd_policy_explain)
     _add_calibrate(policy_commands)
     incidents = policy_commands.add_parser(

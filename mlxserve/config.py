@@ -96,16 +96,39 @@ class ClusterSettings(_Section):
         "empty: a single local engine (or the group `mlx.launch` started this process in).",
     )
 
+    split: list[int] | None = Field(
+        None,
+        description="Tensor-parallel split: each rank's share of the sharded weights in "
+        "whole parts, e.g. [3, 1] (rank 0 holds 3/4 of every head group and expert column, "
+        "rank 1 1/4). The parts, sum(split), must divide the model's output groups and "
+        "quantisation groups. Unset: the policy's choice (`mlxserve policy explain`).",
+    )
+
     @field_validator("hosts")
     @classmethod
     def _group_hosts(cls, hosts: list[str]) -> list[str]:
         check_group_hosts(hosts)
         return hosts
 
+    @field_validator("split")
+    @classmethod
+    def _whole_shares(cls, split: list[int] | None) -> list[int] | None:
+        if split is not None and (len(split) < 2 or any(share < 1 for share in split)):
+            raise ValueError(
+                f"a split is one whole share >= 1 per rank, two ranks or more; got {split}"
+            )
+        return split
+
     @model_validator(mode="after")
     def _real_or_simulated(self) -> "ClusterSettings":
         if self.hosts and self.simulate:
             raise ValueError("hosts (a real group) and simulate (a planned one) exclude each other")
+        ranks = len(self.hosts) or len(self.simulate)
+        if self.split is not None and ranks and len(self.split) != ranks:
+            raise ValueError(
+                f"split {self.split} has {len(self.split)} shares for {ranks} ranks "
+                f"({'hosts' if self.hosts else 'simulate'}); give one share per rank"
+            )
         return self
 
 

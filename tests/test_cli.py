@@ -128,6 +128,22 @@ def test_bad_config_file_is_one_line(tmp_path: Path) -> None:
     assert len(run.stderr.strip().splitlines()) == 1
 
 
+def test_a_split_the_model_cannot_take_is_one_line(tmp_path: Path) -> None:
+    """``[cluster] split`` is checked against the model's groups before anything starts."""
+    from tests.models.published_layouts import write_checkpoint
+
+    config = {"model_type": "deepseek_v4", "o_groups": 2, "moe_intermediate_size": 64}
+    weight = ("BF16", (2, 2), bytes(8))
+    model = write_checkpoint(tmp_path / "m", config, {"head.weight": weight}, shards=1)
+    path = tmp_path / "split.toml"
+    simulate = '["Apple M3 Ultra", "Apple M5 Max"]'
+    path.write_text(f'model = "{model}"\n[cluster]\nsimulate = {simulate}\nsplit = [3, 1]\n')
+    run = mlxserve("policy", "explain", "--config", str(path))
+    assert run.returncode == 2
+    assert "cluster.split [3, 1]: 4 parts do not divide the model's 2" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
 def test_refused_plan_is_explained_not_started() -> None:
     run = mlxserve(
         "policy",

@@ -67,6 +67,15 @@ def test_simulated_ranks_as_strings_and_tables(tmp_path: Path) -> None:
         ("[cluster\n", r"c\.toml: not valid TOML"),
         ('[speculative]\ndepth = "fast"\n', r"c\.toml: invalid value for 'speculative\.depth'"),
         ("[speculative]\ndepth = 6\n", r"c\.toml: invalid value for 'speculative\.depth'"),
+        (
+            "[cluster]\nsplit = [3, 0]\n",
+            r"c\.toml: invalid value for 'cluster\.split': .*one whole share >= 1 per rank",
+        ),
+        ('[cluster]\nsplit = "3:1"\n', r"c\.toml: invalid value for 'cluster\.split'"),
+        (
+            '[cluster]\nsimulate = ["cpu", "cpu"]\nsplit = [1, 1, 2]\n',
+            r"c\.toml: invalid value for 'cluster': .*3 shares for 2 ranks \(simulate\)",
+        ),
     ],
 )
 def test_bad_config_files(tmp_path: Path, text: str, message: str) -> None:

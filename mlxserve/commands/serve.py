@@ -80,7 +80,8 @@ def check_engines(settings: Settings) -> None:
         if entry.model is None:
             continue
         policy = settings.policy.model_copy(update={"overrides": entry.policy})
-        cluster = settings.cluster.model_copy(update={"hosts": entry.hosts})
+        # [cluster] split is the primary group's; a fallback's plan chooses its own.
+        cluster = settings.cluster.model_copy(update={"hosts": entry.hosts, "split": None})
         try:
             check_plan(settings.model_copy(update={"policy": policy, "cluster": cluster}))
         except UsageError as exc:

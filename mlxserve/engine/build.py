@@ -57,12 +57,15 @@ def materialize(model: Any) -> None:
 
 
 def load_for_serving(settings: Settings, plan: Plan, rank: int, group: Any = None) -> LoadedModel:
-    """The model as this rank serves it: whole, or its shard of a tensor-parallel ``group``."""
+    """The model as this rank serves it: whole, or its shard of a tensor-parallel ``group``
+    (its share of the plan's split)."""
     from mlxserve.kernels.apply import apply_moe_policy
     from mlxserve.models import load, sharded_load
 
     if group is not None:
-        model, tokenizer = sharded_load(settings.model, group)
+        split = plan.tensor_split()
+        log.info("tensor-parallel split %s (%s)", split, plan.split.rule if plan.split else "even")
+        model, tokenizer = sharded_load(settings.model, group, split=split)
     else:
         model, tokenizer = load(settings.model)
     apply_moe_policy(model, plan, rank)  # logs what it did

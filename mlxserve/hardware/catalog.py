@@ -16,6 +16,10 @@ class ChipFacts:
     name: str
     gpu_generation: int
     gpu_suffix: str
+    memory_bandwidth_gbs: float | None = None
+    """Apple's published unified-memory bandwidth (GB/s) of the chip's top configuration;
+    None where not published. Decoding reads every weight it uses once per step, so a
+    rank's step time scales with bytes over this (see ``policy.split``)."""
 
     @property
     def gpu_architecture(self) -> str:
@@ -32,14 +36,47 @@ _FAMILIES = {
 }
 
 
+#: Published memory bandwidth (GB/s) of each chip's top configuration. Binned parts
+#: read less (an M3 Max with a 30-core GPU 300, an M4 Max with 32 cores 410), which the
+#: catalog cannot tell from the chip name; M5 Ultra is not published.
+_BANDWIDTH_GBS = {
+    "M1": 68.25,
+    "M1 Pro": 200,
+    "M1 Max": 400,
+    "M1 Ultra": 800,
+    "M2": 100,
+    "M2 Pro": 200,
+    "M2 Max": 400,
+    "M2 Ultra": 800,
+    "M3": 100,
+    "M3 Pro": 150,
+    "M3 Max": 400,
+    "M3 Ultra": 819,
+    "M4": 120,
+    "M4 Pro": 273,
+    "M4 Max": 546,
+    "M5": 153,
+    "M5 Pro": 307,
+    "M5 Max": 614,
+}
+
+
 def known_chips() -> dict[str, ChipFacts]:
     """Every chip the catalog knows, keyed by its marketing name."""
     chips: dict[str, ChipFacts] = {}
     for family, (generation, tiers) in _FAMILIES.items():
         for tier in tiers:
             name = f"Apple {family}{tier}"
-            chips[name] = ChipFacts(name, generation, _TIERS[tier])
+            bandwidth = _BANDWIDTH_GBS.get(f"{family}{tier}")
+            chips[name] = ChipFacts(name, generation, _TIERS[tier], bandwidth)
     return chips
+
+
+def memory_bandwidth_gbs(chip: str) -> float | None:
+    """The catalog's bandwidth for a probed or simulated chip name; None when unknown
+    (not an Apple chip, or not published)."""
+    facts = known_chips().get(" ".join(chip.split()))
+    return None if facts is None else facts.memory_bandwidth_gbs
 
 
 def lookup_chip(name: str) -> ChipFacts:

@@ -1,6 +1,6 @@
 """Simulated ranks: named by chip, so every policy decision is testable anywhere."""
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from mlxserve.errors import UsageError
 from mlxserve.hardware.catalog import lookup_chip
@@ -13,30 +13,49 @@ CUDA_CHIP = "cuda"
 
 
 class SimulatedRank(BaseModel):
-    """One simulated rank: a chip and, optionally, the macOS and mlx it runs."""
+    """One simulated rank: a chip and, optionally, the macOS and mlx it runs and its
+    memory in GiB (the split policy weighs it; default: the chip's common size)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     chip: str
     macos: str | None = None
     mlx: str | None = None
+    memory: float | None = Field(None, gt=0)
 
 
 def parse_cluster_spec(text: str) -> list[SimulatedRank]:
-    """Parse `--cluster`: ranks separated by commas, each `CHIP[:macos=V][:mlx=V]`."""
+    """Parse `--cluster`: ranks separated by commas, each
+    `CHIP[:macos=V][:mlx=V][:memory=GiB]`."""
     ranks = []
     for item in text.split(","):
         parts = [part.strip() for part in item.split(":")]
         if not parts[0]:
             raise UsageError(f"--cluster: empty rank in {text!r}")
-        fields: dict[str, str] = {"chip": parts[0]}
+        fields: dict[str, str | float] = {"chip": parts[0]}
         for part in parts[1:]:
             key, sep, value = part.partition("=")
-            if not sep or key not in ("macos", "mlx") or not value:
-                raise UsageError(f"--cluster: bad field {part!r} (expected macos=V or mlx=V)")
-            fields[key] = value
-        ranks.append(SimulatedRank(**fields))
+            if not sep or key not in ("macos", "mlx", "memory") or not value:
+                raise UsageError(
+                    f"--cluster: bad field {part!r} (expected macos=V, mlx=V or memory=GiB)"
+                )
+            fields[key] = _gib(value) if key == "memory" else value
+        ranks.append(SimulatedRank.model_validate(fields))
     return ranks
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise UsageError(f"--cluster: memory={text} is not a positive number of GiB")
+    return value
+
+
+def _memory(spec: SimulatedRank, default_gib: int) -> int:
+    return int((spec.memory or default_gib) * 2**30)
 
 
 def simulated_profile(
@@ -59,7 +78,7 @@ def simulated_profile(
             os_version="6.1",
             mlx_version=spec.mlx or local_mlx,
             mlx_lm_version=local_mlx_lm,
-            memory_bytes=64 << 30,
+            memory_bytes=_memory(spec, 64),
             mlx_nax_build=False,
             simulated=True,
         )
@@ -75,7 +94,7 @@ def simulated_profile(
             os_version="6.1",
             mlx_version=spec.mlx or local_mlx,
             mlx_lm_version=local_mlx_lm,
-            memory_bytes=141 << 30,
+            memory_bytes=_memory(spec, 141),
             mlx_nax_build=False,
             simulated=True,
         )
@@ -89,7 +108,7 @@ def simulated_profile(
         os_version=spec.macos or str(NAX_MIN_MACOS),
         mlx_version=spec.mlx or local_mlx,
         mlx_lm_version=local_mlx_lm,
-        memory_bytes=128 << 30,
+        memory_bytes=_memory(spec, 128),
         mlx_nax_build=True,
         simulated=True,
     )

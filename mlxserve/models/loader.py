@@ -26,15 +26,18 @@ or a Hugging Face repository.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlx.nn.layers.base import Module
 
 from mlxserve.errors import UsageError
 
 from .safetensors_header import HeaderError, TensorInfo, read_checkpoint
+
+if TYPE_CHECKING:
+    from mlxserve.policy.split import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -222,12 +225,15 @@ def _check_fits(
     source: Path,
     memory_bytes: int | None,
     ranks: int,
+    split: Sequence[int] | None = None,
+    rank: int = 0,
 ) -> None:
-    """Refuse, before anything is read, weights larger than this rank's memory."""
+    """Refuse, before anything is read, weights larger than this rank's memory (its
+    share of ``split``, default even)."""
     if config.get("model_type") in _OWN_MODEL_TYPES:
         from .deepseek_v4.memory import weight_bytes
 
-        needed = weight_bytes(tensors, ranks)
+        needed = weight_bytes(tensors, ranks, split=split, rank=rank)
     else:
         needed = sum(info.nbytes for info in tensors.values())
     if memory_bytes is None:
@@ -236,6 +242,8 @@ def _check_fits(
         memory_bytes = usable_memory_bytes()
     if memory_bytes > 0 and needed > memory_bytes:
         per_rank = f" per rank over {ranks} ranks" if ranks > 1 else ""
+        if ranks > 1 and split is not None:
+            per_rank = f" on rank {rank} (its {split[rank]} of {sum(split)} parts)"
         raise UsageError(
             f"model {str(source)!r}: its weights need {_size(needed)}{per_rank} (from the "
             f"safetensors headers) but {_size(memory_bytes)} is usable here; use more "
@@ -300,6 +308,8 @@ def load_model(
     model_config: dict[str, Any] | None = None,
     memory_bytes: int | None = None,
     ranks: int = 1,
+    split: Sequence[int] | None = None,
+    rank: int = 0,
 ) -> tuple[Module, dict[str, Any]]:
     """Load only the model (no tokenizer); returns ``(model, config)``.
 
@@ -309,7 +319,8 @@ def load_model(
 
     ``memory_bytes`` is the memory the weights may fill (default: what
     ``hardware.probe.usable_memory_bytes`` finds; 0 skips the check), and ``ranks``
-    how many tensor-parallel ranks will share them (``sharded_load``).
+    how many tensor-parallel ranks will share them (``sharded_load``), by ``split``
+    (each rank's parts; default even) of which this is rank ``rank``.
     """
     from mlx_lm.utils import load_config
     from mlx_lm.utils import load_model as mlx_load_model
@@ -326,7 +337,7 @@ def load_model(
         }
     tensors = _read_tensors(model_path)
     tensors = _drop_dspark_head(config, tensors, model_path)
-    _check_fits(config, tensors, model_path, memory_bytes, ranks)
+    _check_fits(config, tensors, model_path, memory_bytes, ranks, split, rank)
     try:
         # Lazily: the checks in sanitize / load_weights run on shapes, before any read.
         model, config = mlx_load_model(
@@ -354,10 +365,12 @@ def load(
     lazy: bool = False,
     memory_bytes: int | None = None,
     ranks: int = 1,
+    split: Sequence[int] | None = None,
+    rank: int = 0,
 ) -> ModelAndTokenizer:
     """Load ``(model, tokenizer)`` from a registered name, a directory or a HF repo.
 
-    ``memory_bytes`` and ``ranks``: see ``load_model``.
+    ``memory_bytes``, ``ranks``, ``split`` and ``rank``: see ``load_model``.
     """
     factory = _source(path) if isinstance(path, str) else None
     if factory is not None:
@@ -371,6 +384,8 @@ def load(
         model_config=model_config,
         memory_bytes=memory_bytes,
         ranks=ranks,
+        split=split,
+        rank=rank,
     )
     tokenizer = load_tokenizer(  # type: ignore[no-untyped-call]
         model_path, tokenizer_config, eos_token_ids=config.get("eos_token_id")
@@ -385,18 +400,29 @@ def sharded_load(
     tokenizer_config: dict[str, Any] | None = None,
     model_config: dict[str, Any] | None = None,
     memory_bytes: int | None = None,
+    split: Sequence[int] | None = None,
 ) -> ModelAndTokenizer:
-    """``load`` for tensor parallelism over ``group`` (default: ``mx.distributed.init()``).
+    """``load`` for tensor parallelism over ``group`` (default: ``mx.distributed.init()``),
+    split evenly or by ``split`` (each rank's share in parts, see
+    ``deepseek_v4.sharding``).
 
     The counterpart of ``mlx_lm.utils.sharded_load`` with a tensor group, which cannot
     see the model types mlxserve adds: the weights are loaded lazily, the model is
     sharded (``model.shard(group)``), and only then are the weights read, so each rank
-    materialises just its own slices. Raises ``UsageError`` for a model without
-    ``shard`` or sizes the group does not divide.
+    materialises just its own slices (its share of ``split``). Raises ``UsageError`` for
+    a model without ``shard``, sizes the group does not divide or a split it cannot
+    honour (a model without uneven support takes only the even split).
     """
     import mlx.core as mx
 
     group = group if group is not None else mx.distributed.init()
+    if split is not None:
+        from .deepseek_v4.sharding import check_split_shape
+
+        try:
+            split = check_split_shape(split, group.size())
+        except ValueError as error:
+            raise UsageError(f"{path}: {error}") from None
     factory = _source(path) if isinstance(path, str) else None
     if factory is not None:
         model, tokenizer = factory()
@@ -408,12 +434,50 @@ def sharded_load(
             lazy=True,
             memory_bytes=memory_bytes,
             ranks=group.size(),
+            split=split,
+            rank=group.rank(),
         )
     if not hasattr(model, "shard"):
         raise UsageError(f"{path}: the model has no tensor-parallel support (no shard()).")
     try:
-        model.shard(group)
+        if split is None:
+            model.shard(group)
+        elif getattr(model, "model_type", None) == "deepseek_v4":
+            model.shard(group, split)
+        elif list(split) != [1] * group.size():
+            raise ValueError(f"{path}: only DeepSeek-V4 models take an uneven split")
+        else:
+            model.shard(group)
     except ValueError as error:
         raise UsageError(str(error)) from error
     mx.eval(model.parameters())  # type: ignore[no-untyped-call]
     return model, tokenizer
+
+
+def model_shape(path: str | Path) -> ModelShape | None:
+    """What the split policy needs of a local DeepSeek-V4 directory (``policy.split``),
+    from its config and safetensors headers; None for anything else (a named source,
+    a Hub id, another model type), whose split stays even."""
+    from mlxserve.policy.split import ModelShape
+
+    directory = Path(path)
+    named = str(path) in _SOURCES or str(path) in _BUILTIN_SOURCES
+    if named or not (directory / "config.json").is_file():
+        return None
+    import json
+
+    # Not mlx_lm's load_config: importing mlx_lm.utils takes seconds (transformers), and
+    # the plan is built before anything else starts.
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"model {str(directory)!r}: cannot read config.json: {exc}") from None
+    if not isinstance(config, dict) or config.get("model_type") != "deepseek_v4":
+        return None
+    from .deepseek_v4.dspark import drop_draft_head, has_dspark_head
+    from .deepseek_v4.memory import shape_numbers
+
+    tensors = _read_tensors(directory)
+    if has_dspark_head(config, tensors):
+        tensors = drop_draft_head(tensors)
+    return ModelShape(**shape_numbers(config, tensors))

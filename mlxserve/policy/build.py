@@ -14,6 +14,7 @@ from mlxserve.policy.engine import evaluate
 from mlxserve.policy.overrides import collect_overrides
 from mlxserve.policy.plan import Plan
 from mlxserve.policy.rules import load_rules
+from mlxserve.policy.split import ModelShape, split_problem
 from mlxserve.reliability.incidents import IncidentRecord, IncidentStore
 
 
@@ -23,16 +24,32 @@ def build_plan(settings: Settings) -> tuple[Plan, Membership]:
     ruleset = load_rules(settings.policy.rules_dir)
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
     verdicts = load_verdicts(state_dir(settings.server))
+    shape = _model_shape(settings)
     membership = discover(settings.cluster)
     if membership.group is None:
         incidents = IncidentStore(state_dir(settings.server)).load()
     else:
         verdicts = gather_verdicts(membership.group, verdicts)
         incidents = _rank_0s(membership.group, settings)
-    plan = evaluate(membership.cluster, ruleset, overrides, verdicts, incidents=incidents)
+    plan = evaluate(
+        membership.cluster,
+        ruleset,
+        overrides,
+        verdicts,
+        incidents=incidents,
+        model=shape,
+        split=settings.cluster.split,
+    )
     if membership.group is not None:
         check_same_plan(membership.group, plan.plan_hash)
     return plan, membership
+
+
+def _model_shape(settings: Settings) -> ModelShape | None:
+    """What the split policy weighs of the model (None: not a local DeepSeek-V4)."""
+    from mlxserve.models.loader import model_shape
+
+    return model_shape(settings.model)
 
 
 def _rank_0s(group: Any, settings: Settings) -> list[IncidentRecord]:
@@ -58,14 +75,21 @@ def check_plan(settings: Settings) -> None:
     ruleset = load_rules(settings.policy.rules_dir)
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
     incidents = IncidentStore(state_dir(settings.server)).load()
+    split = settings.cluster.split
+    shape = _model_shape(settings)
     group = settings.cluster.hosts  # a group the front starts: planned once it has joined
     if settings.cluster.simulate or ("MLX_RANK" not in os.environ and not group):
         verdicts = load_verdicts(state_dir(settings.server))
         cluster = discover(settings.cluster).cluster
-        plan = evaluate(cluster, ruleset, overrides, verdicts, incidents=incidents)
+        plan = evaluate(
+            cluster, ruleset, overrides, verdicts, incidents=incidents, model=shape, split=split
+        )
         plan.ensure_startable()
         return
     world = len(group) if group else launched_world_size()
+    problem = None if split is None or world is None else split_problem(split, world, shape)
+    if problem is not None:
+        raise UsageError(f"cluster.split {split}: {problem}")
     for override in overrides:
         if world is not None and override.rank is not None and override.rank >= world:
             raise UsageError(

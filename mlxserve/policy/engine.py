@@ -21,6 +21,7 @@ from mlxserve.policy.conditions import conditions_hold
 from mlxserve.policy.decisions import DECISIONS, FASTEST, DecisionSpec
 from mlxserve.policy.plan import OVERRIDE_RULE, Decision, Override, Plan, RankPlan, Warning_
 from mlxserve.policy.rules import Rule, RuleSet
+from mlxserve.policy.split import ModelShape, decide_split
 from mlxserve.reliability.incidents import IncidentRecord, latest_for
 
 CALIBRATION = "calibration"
@@ -36,9 +37,12 @@ def evaluate(
     calibrations: Sequence[Verdict] = (),
     *,
     incidents: Sequence[IncidentRecord] = (),
+    model: ModelShape | None = None,
+    split: Sequence[int] | None = None,
 ) -> Plan:
     """The plan. `calibrations` are the verdicts speed rules read; `incidents` is the
-    incident memory (rules with `when.incident` read it)."""
+    incident memory (rules with `when.incident` read it); `model` what the tensor-parallel
+    split weighs (None: unknown, even split) and `split` the operator's override of it."""
     by_id = {rule.id: rule for rule in ruleset.rules}
     incident = latest_for(list(incidents), cluster.composition, [p.chip for p in cluster.ranks])
     pinned = incident is not None
@@ -75,6 +79,8 @@ def evaluate(
             warnings.append(Warning_(rule=rule.id, message=rule.warn))
 
     applied = [_apply(o, ranks, world, by_id, warnings, cluster.world_size) for o in overrides]
+    variants = [str(rank.decisions["nax_moe"].value) for rank in ranks]
+    tensor_split = decide_split(cluster, variants, model, calibrations, split)
     plan = Plan(
         simulated=cluster.simulated,
         world_size=cluster.world_size,
@@ -86,6 +92,7 @@ def evaluate(
         overrides=applied,
         warnings=warnings,
         rule_files=ruleset.sources,
+        split=tensor_split,
     )
     return plan.with_hash()
 

@@ -33,6 +33,7 @@ def explain_text(plan: Plan) -> str:
     lines.append("")
     for key, decision in plan.world.items():
         lines.append(f"{key}: {decision.value} [{decision.rule}]")
+    lines += _split_lines(plan)
     lines.append("")
     lines.append("why:")
     # rule -> reason -> ranks: a speed rule's reason (measured ratio) differs per chip.
@@ -42,6 +43,8 @@ def explain_text(plan: Plan) -> str:
             reasons.setdefault(d.rule, {}).setdefault(d.reason, []).append(rank.rank)
     for d in plan.world.values():
         reasons.setdefault(d.rule, {}).setdefault(d.reason, [])
+    if plan.split is not None and plan.world_size > 1:
+        reasons.setdefault(plan.split.rule, {}).setdefault(plan.split.reason, [])
     reasons.pop(OVERRIDE_RULE, None)
     for rule, by_reason in sorted(reasons.items()):
         if len(by_reason) == 1:
@@ -60,3 +63,24 @@ def explain_text(plan: Plan) -> str:
         lines.append(f"override: {override.key}={override.value} on {target} ({override.source})")
     lines += [f"WARNING [{w.rule}]: {w.message}" for w in plan.warnings]
     return "\n".join(lines)
+
+
+def _split_lines(plan: Plan) -> list[str]:
+    """The tensor-parallel split and, when the model is known, what each rank holds."""
+    split = plan.split
+    if split is None or plan.world_size == 1:
+        return []
+    lines = [f"tensor_split: {split.text()} [{split.rule}]"]
+    for rank in split.estimates:
+        held = f"holds {_size(rank.held_bytes)} of {_size(rank.usable_bytes)}"
+        speed = f"{rank.bandwidth_gbs:g} GB/s" if rank.bandwidth_gbs else "bandwidth unknown"
+        step = f", ~{rank.step_ms:.3g} ms a decode step" if rank.step_ms is not None else ""
+        lines.append(f"  rank {rank.rank}: {rank.share} part(s), {held}, {speed}{step}")
+    return lines
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxserve.cluster.composition import Composition
 from mlxserve.errors import UsageError
 from mlxserve.policy.decisions import Value
+from mlxserve.policy.split import SplitDecision
 
 OVERRIDE_RULE = "override"
 
@@ -67,6 +68,8 @@ class Plan(BaseModel):
     overrides: list[Override] = Field(default_factory=list)
     warnings: list[Warning_] = Field(default_factory=list)
     rule_files: list[str] = Field(default_factory=list)
+    split: SplitDecision | None = None
+    """The tensor-parallel split (``policy.split``); None only in plans built by hand."""
 
     def with_hash(self) -> "Plan":
         content = self.model_dump(mode="json", exclude={"plan_hash"})
@@ -84,6 +87,10 @@ class Plan(BaseModel):
 
     def world_value(self, key: str) -> Value:
         return self.world[key].value
+
+    def tensor_split(self) -> list[int]:
+        """Each rank's share of the sharded weights, in parts (even when not decided)."""
+        return list(self.split.shares) if self.split is not None else [1] * self.world_size
 
     def nax_moe(self, rank: int) -> str:
         return str(self.rank_value(rank, "nax_moe"))

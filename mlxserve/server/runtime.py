@@ -46,6 +46,8 @@ def engine_env(settings: Settings, model: str, overrides: list[str] | None) -> d
     data = settings.model_dump(mode="json", include=set(ENGINE_SECTIONS))
     if overrides is not None:
         data["policy"]["overrides"] = overrides
+        # A fallback engine: [cluster] split is the primary group's; its plan chooses its own.
+        data["cluster"]["split"] = None
     env = {f"MLXSERVE_{name.upper()}": json.dumps(data[name]) for name in ENGINE_SECTIONS}
     env["MLXSERVE_MODEL"] = model
     # The plan reads the incident memory the front writes: the same place for both.

@@ -93,3 +93,29 @@ def test_sharded_load_refuses_sizes_that_do_not_divide(tmp_path: Path) -> None:
 
     with pytest.raises(UsageError, match="over 3 ranks"):
         sharded_load(str(path), ThreeRanks())
+
+
+def test_an_uneven_split_loads_its_share_and_decodes_as_one_rank(tmp_path: Path) -> None:
+    """``sharded_load(split=[3, 1])`` over 2 real ring ranks of a saved checkpoint with
+    4-bit experts: the same logits and greedy tokens as the whole model, and each rank
+    holds the bytes the loader counted for its share (3/4 and 1/4 of the sharded)."""
+    from mlx.nn.layers.quantized import quantize
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from tests.engine.v4_models import tiny_v4
+    from tests.models.tp_worker import TP_SIZES, save_checkpoint
+
+    model = tiny_v4(seed=0, **TP_SIZES)
+    quantize(model, 32, 4, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
+    quantization = {"group_size": 32, "bits": 4, "mode": "affine"}
+    path = save_checkpoint(model, tmp_path / "tp", quantization)
+    command = [sys.executable, "-m", "tests.models.tp_worker", "--checkpoint", str(path)]
+    command += ["--split", "3,1"]
+    runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=120, cwd=REPO)
+    _check(runs, 2)
+    reports = [json.loads(run.stdout.strip().splitlines()[-1]) for run in runs]
+    held = {r["rank"]: r["held_bytes"] for r in reports}
+    for report in reports:
+        assert report["prefill_tokens"] == 0 and report["decode_tokens"] == 0, report
+        assert report["counted_bytes"] == report["held_bytes"], report
+    assert held[0] > held[1], held

@@ -4,11 +4,13 @@ Every rank builds the same random DeepSeek-V4 (same seed), runs it whole, then s
 it over the ring group and runs it again: prefill logits, cached decode steps and an
 MTP draft must match the unsharded model. Prints one JSON line of max differences.
 With ``--checkpoint DIR`` the two models are instead ``mlxserve.models.load(DIR)`` and
-``mlxserve.models.sharded_load(DIR)``.
-Usage: ``python -m tests.models.tp_worker [--quantize | --checkpoint DIR]`` under
-MLX_RANK/MLX_HOSTFILE.
+``mlxserve.models.sharded_load(DIR)``. ``--split 3,1`` shards unevenly (each rank's
+parts); the report then also counts greedy tokens that differ from the whole model's.
+Usage: ``python -m tests.models.tp_worker [--quantize | --checkpoint DIR] [--split S]``
+under MLX_RANK/MLX_HOSTFILE.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -49,6 +51,29 @@ def build(quantized: bool) -> Model:
     return model
 
 
+def save_checkpoint(model: Model, directory: Path, quantization: dict[str, Any] | None) -> Path:
+    """``model`` as a loadable MLX checkpoint (config, weights, the demo's tokenizer)."""
+    import shutil
+
+    from mlxserve.models.demo.build import TOKENIZER_FILES, WEIGHTS_DIR, flat_parameters
+
+    directory.mkdir(parents=True)
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    if quantization is not None:
+        config["quantization"] = config["quantization_config"] = quantization
+    (directory / "config.json").write_text(json.dumps(config))
+    weights = dict(flat_parameters(model))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "mlx"})
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(WEIGHTS_DIR / name, directory / name)
+    return directory
+
+
+def greedy(logits: np.ndarray) -> np.ndarray:
+    """The token greedy decoding picks at every position."""
+    return np.argmax(logits, axis=-1)
+
+
 def run(model: Model, tokens: mx.array) -> dict[str, np.ndarray]:
     """Prefill, three cached decode steps, the MTP block over the whole prefill (every
     position but the first reads a real embedding), and chained depth-2 drafts."""
@@ -71,6 +96,9 @@ def run(model: Model, tokens: mx.array) -> dict[str, np.ndarray]:
 
 def main() -> None:
     group = mx.distributed.init(strict=True, backend="ring")
+    split = None
+    if "--split" in sys.argv:
+        split = [int(s) for s in sys.argv[sys.argv.index("--split") + 1].split(",")]
     vocab = TP_SIZES["vocab_size"]
     extra: dict[str, int] = {}
     if "--checkpoint" in sys.argv:
@@ -80,20 +108,24 @@ def main() -> None:
         vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
         tokens = mx.array([[(7 * i + 3) % vocab for i in range(40)]])
         whole = run(load(path)[0], tokens)
-        model = sharded_load(path, group)[0]
+        model = sharded_load(path, group, split=split)[0]
         sharded = run(model, tokens)
         held = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
         # What the loader's memory check counted for this rank, from the headers alone.
-        counted = weight_bytes(read_checkpoint(Path(path)), group.size())
+        counted = weight_bytes(
+            read_checkpoint(Path(path)), group.size(), split=split, rank=group.rank()
+        )
         extra["held_bytes"], extra["counted_bytes"] = held, counted
     else:
         tokens = mx.array([[(7 * i + 3) % vocab for i in range(40)]])
         model = build("--quantize" in sys.argv)
         whole = run(model, tokens)
-        model.shard(group)
+        model.shard(group, split)
         sharded = run(model, tokens)
     diffs = {k: float(np.abs(whole[k] - sharded[k]).max()) for k in whole}
     scale = float(np.abs(whole["prefill"]).max())
+    for key in ("prefill", "decode"):
+        extra[f"{key}_tokens"] = int((greedy(whole[key]) != greedy(sharded[key])).sum())
     report = {"rank": group.rank(), "size": group.size(), "scale": scale, **diffs, **extra}
     print(json.dumps(report))
 

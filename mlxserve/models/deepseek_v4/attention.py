@@ -82,6 +82,8 @@ class Attention(Module):
         self.wo_b = Linear(self.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = mx.zeros((self.num_heads,), dtype=mx.float32)
         self._group_ids = mx.arange(self.o_groups)[None]
+        # Set by ``shard``: this rank holds some output groups, so sum ``wo_b``'s partials.
+        self.sharding_group: mx.distributed.Group | None = None
 
         rope_key = "main" if layer_type == SLIDING else "compress"
         self.rope = PartialRoPE(
@@ -148,7 +150,10 @@ class Attention(Module):
             out = self.rope(attended, offset=start, inverse=True).swapaxes(1, 2)
         out = out.reshape(batch * length, self.o_groups, 1, -1)
         out = self.wo_a(out, self._group_ids)
-        return self.wo_b(out.reshape(batch, length, -1))
+        out = self.wo_b(out.reshape(batch, length, -1))
+        if self.sharding_group is not None:
+            out = mx.distributed.all_sum(out, group=self.sharding_group)
+        return out
 
     def _attend(
         self, x: mx.array, q_residual: mx.array, q: mx.array, kv: mx.array, cache: LayerCache

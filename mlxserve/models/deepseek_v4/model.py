@@ -203,9 +203,12 @@ class Model(Module):
         super().load_weights(file_or_weights, strict=strict)
         return self
 
-    def shard(self, group: mx.distributed.Group | None = None) -> None:
-        """Tensor parallelism: split heads / output groups and experts' hidden dim."""
-        shard_model(self, group or mx.distributed.init())
+    def shard(
+        self, group: mx.distributed.Group | None = None, split: Sequence[int] | None = None
+    ) -> None:
+        """Tensor parallelism: split heads / output groups and experts' hidden dim, evenly
+        or by ``split`` (each rank's share in parts; see ``sharding.py``)."""
+        shard_model(self, group or mx.distributed.init(), split)
 
     @property
     def cast_predicate(self) -> Callable[[str], bool]:
