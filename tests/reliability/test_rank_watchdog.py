@@ -19,7 +19,6 @@ import subprocess
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -69,18 +68,6 @@ def fail_the_request(front: LiveServer, follower: "subprocess.Popen[str]") -> tu
     return err, gone
 
 
-def watchdog_exits(front: LiveServer, timeout_s: float = 15.0) -> list[dict[str, Any]]:
-    """The incidents of exit 75 once the front has recorded one: it reaps the engine
-    a moment after the channel closes, which can be after the follower is gone."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        _, detail = front.ready()
-        exits = [i for i in detail["incidents"] if i["exit_code"] == 75]
-        if exits or time.monotonic() > deadline:
-            return exits
-        time.sleep(0.2)
-
-
 def test_a_stalled_follower_exits_75_by_its_own_watchdog(tmp_path: Path) -> None:
     stall = {"MLXSERVE_FAULT_FOLLOWER_HANG_AT_STEP": str(HANG_STEP)}
     with served_by_two_ranks(tmp_path, CONFIG, follower_env=stall) as (front, follower):
@@ -104,7 +91,7 @@ def test_followers_are_gone_as_soon_as_a_stalled_rank_0(tmp_path: Path) -> None:
         else:  # rank 0's exit broke the collective first
             assert follower.returncode != 0 and "peer was lost" in err, err[-3000:]
         hang = hung_at(front.lines)
-        exits = watchdog_exits(front)
+        exits = [i for i in front.incidents(1) if i["exit_code"] == 75]
         assert exits, front.tail()
         assert exits[0]["at"] - hang <= PROGRESS_TIMEOUT_S + 2.0, (exits, hang)
         assert gone - hang <= PROGRESS_TIMEOUT_S + 2.0, (gone, hang)

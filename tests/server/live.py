@@ -83,6 +83,17 @@ class LiveServer:
         response = httpx.get(f"{self.url}/ready", timeout=10)
         return response.status_code, response.json()
 
+    def incidents(self, count: int = 1, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+        """The incidents, once `count` are recorded: the front reaps an engine a moment
+        after its channel closes, so the record can follow the failover or a peer's exit."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            _, detail = self.ready()
+            found: list[dict[str, Any]] = detail["incidents"]
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
+
     def wait_ready(self, timeout: float, active: str | None = None) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:

@@ -115,17 +115,6 @@ def primary_pid(server: LiveServer) -> int:
     return pid
 
 
-def incidents(server: LiveServer, count: int) -> list[dict[str, object]]:
-    """The incidents, once `count` are recorded (the exit is noticed just after the failover)."""
-    deadline = time.monotonic() + 30
-    while True:
-        _, detail = server.ready()
-        found: list[dict[str, object]] = detail["incidents"]
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
-        time.sleep(0.1)
-
-
 def check_recovery(server: LiveServer, disturbed: list[Stream]) -> list[Stream]:
     """The primary comes back, serves the next requests, and they equal the disturbed ones."""
     server.wait_ready(180, active="primary")
@@ -153,7 +142,7 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LiveServe
 @pytest.mark.parametrize("server", ["HANG_AT_STEP"], indirect=True)
 def test_hang_watchdog_exit_and_resume(server: LiveServer) -> None:
     streams = run_all(server.url)
-    found = incidents(server, 1)
+    found = server.incidents(1)
     assert [(i["backend"], i["kind"]) for i in found] == [("primary", "watchdog")], server.tail()
     assert found[0]["exit_code"] == 75
     exited = found[0]["at"]
@@ -171,7 +160,7 @@ def test_hang_watchdog_exit_and_resume(server: LiveServer) -> None:
 @pytest.mark.parametrize("server", ["CRASH_AT_STEP"], indirect=True)
 def test_crash_then_kill_9(server: LiveServer) -> None:
     streams = run_all(server.url)
-    assert [i["kind"] for i in incidents(server, 1)] == ["crash"], server.tail()
+    assert [i["kind"] for i in server.incidents(1)] == ["crash"], server.tail()
     assert server.metric("mlxserve_failovers_total") == 1
     check_recovery(server, streams)
 
@@ -183,7 +172,7 @@ def test_crash_then_kill_9(server: LiveServer) -> None:
         os.kill(primary_pid(server), signal.SIGKILL)
 
     killed = run_all(server.url, kill_when_streaming)
-    assert [i["kind"] for i in incidents(server, 2)] == ["crash", "killed"]
+    assert [i["kind"] for i in server.incidents(2)] == ["crash", "killed"]
     assert server.metric("mlxserve_failovers_total") == 2
     assert server.metric("mlxserve_request_retries_total", backend="primary") >= 1
     check_recovery(server, killed)
@@ -208,7 +197,7 @@ def test_sigstop_is_declared_hung_by_the_front_within_seconds(server: LiveServer
 
     streams = run_all(server.url, stop_when_streaming)
     assert stopped, "the streams never started"
-    found = incidents(server, 1)
+    found = server.incidents(1)
     assert [(i["backend"], i["kind"]) for i in found] == [("primary", "hung")], server.tail()
     assert server.metric("mlxserve_failovers_total") == 1
     stall = max(
