@@ -98,26 +98,48 @@ def flash_shaped(layers: int, hidden: int, experts: int, vocab: int, seed: int =
     return model
 
 
+#: One irrational step per draft position (square roots of primes): the positions'
+#: sequences are jointly equidistributed (a Kronecker sequence), so they do not
+#: correlate the way shifted copies of one sequence would.
+STEPS = tuple(p**0.5 % 1.0 for p in (2, 3, 5, 7, 11, 13, 17, 19))
+
+
 class OracleAdapter(MTPAdapter):
     """Drafts that are right with probability `acceptance`, per position, by construction.
 
     The draft forwards run as always; the proposed token is replaced by the reference
     greedy token (or a wrong one) while still depending on the draft logits, so the
-    device computes the whole draft chain."""
+    device computes the whole draft chain.
+
+    The draws are stratified, not independent: draft position l's n-th draw is right
+    when frac(phase_l + n x sqrt(p_l)) < a (a Kronecker sequence, one prime p_l per
+    position). Each draw is still right with probability a over the random phases,
+    but over the ten-odd rounds of a run the share of right drafts at each position
+    stays within a draw or so of a, where independent draws wander by +-0.1: the
+    nominal bound is then the bound of the acceptance the run had."""
 
     def __init__(self, model: Any, reference: list[int], acceptance: float, seed: int) -> None:
         super().__init__(model)
         self.reference = reference
         self.acceptance = acceptance
         self.seed = seed
-        self.rng = random.Random(seed)
         self.vocab = int(model.args.vocab_size)
         self.position = 0
+        self.draws: dict[int, int] = {}
+        draw = random.Random(seed)
+        self.phases = [draw.random() for _ in STEPS]
 
     def replay(self) -> None:
         """The next run draws what the last one drew: the same rounds, so the same
         shapes (on CUDA the warm-up run compiled the kernels of exactly those)."""
-        self.rng = random.Random(self.seed)
+        self.draws = {}
+
+    def right(self, level: int) -> bool:
+        """Whether draft position `level`'s next draw is the reference token."""
+        n = self.draws.get(level, 0)
+        self.draws[level] = n + 1
+        slot = level % len(STEPS)
+        return (self.phases[slot] + n * STEPS[slot]) % 1.0 < self.acceptance
 
     def speculate(self, state: Any, last_token: int, *args: Any) -> tuple[list[int], int, int]:
         self.position = int(state.offset) + 1  # d_1 stands for token `offset + 1`
@@ -128,7 +150,7 @@ class OracleAdapter(MTPAdapter):
     ) -> mx.array:
         index = self.position + level
         right = self.reference[index] if index < len(self.reference) else 0
-        token = right if self.rng.random() < self.acceptance else (right + 1) % self.vocab
+        token = right if self.right(level) else (right + 1) % self.vocab
         return mx.array(token, dtype=mx.uint32) + mx.argmax(logits).astype(mx.uint32) * 0
 
 

@@ -1,0 +1,137 @@
+"""The hyper-connections' Sinkhorn on this device: one launch against the op loop.
+
+Prints one JSON document:
+- per matrix count, the largest difference between ``mlxserve.kernels.sinkhorn``
+  (the one-launch kernel on CUDA) and mlx-lm's op loop, and each one's time per call;
+- a decode step and whole speculative rounds of the demo and of a
+  DeepSeek-V4-Flash-shaped model (`benchmarks/mtp_cost.py`'s), with the model's
+  Sinkhorn as it ships (`kernel`) and with the op loop (`loop`), timed as the engine's
+  calibration times them (`round_costs.measure_round_costs`), plus whether greedy
+  decoding gives the same tokens both ways.
+
+Off CUDA both paths are the loop (the kernel is CUDA's), so the figures only say
+what the loop costs there.
+
+Run: python benchmarks/sinkhorn.py [--layers 43] [--steps 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models.deepseek_v41 import _sinkhorn as loop_sinkhorn
+
+import mlxserve.models.deepseek_v4.hyper_connections as hyper_connections
+from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.engine.round_costs import measure_round_costs
+from mlxserve.hardware.probe import benchmark_device
+from mlxserve.kernels.sinkhorn import on_cuda, sinkhorn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from mtp_cost import flash_shaped
+
+EPS = mx.array([1e-6], dtype=mx.float32)
+
+
+def per_call_s(function: Callable[[mx.array], mx.array], comb: mx.array, calls: int) -> float:
+    mx.eval(function(comb))
+    start = time.perf_counter()
+    for _ in range(calls):
+        mx.eval(function(comb))
+    return (time.perf_counter() - start) / calls
+
+
+def kernel_against_loop(counts: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for count in counts:
+        comb = mx.softmax(mx.random.normal((count, 4, 4), key=mx.random.key(count)), -1) + 1e-6
+        ours = sinkhorn(comb, iters=20, eps=EPS)
+        loop = loop_sinkhorn(comb, iters=20, eps=EPS)
+        rows.append(
+            {
+                "matrices": count,
+                "max_abs_difference": mx.abs(ours - loop).max().item(),
+                "kernel_call_us": 1e6
+                * per_call_s(lambda c: sinkhorn(c, iters=20, eps=EPS), comb, 50),
+                "loop_call_us": 1e6
+                * per_call_s(lambda c: loop_sinkhorn(c, iters=20, eps=EPS), comb, 50),
+            }
+        )
+    return rows
+
+
+@contextmanager
+def model_sinkhorn(function: Callable[..., mx.array]) -> Iterator[None]:
+    """The model's hyper-connections use `function` for the duration."""
+    shipped = getattr(hyper_connections, "sinkhorn")  # noqa: B009 (not re-exported)
+    setattr(hyper_connections, "sinkhorn", function)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(hyper_connections, "sinkhorn", shipped)  # noqa: B010
+
+
+def greedy_tokens(model: Any, steps: int) -> list[int]:
+    adapter = MTPAdapter(model)
+    state = adapter.new_state(max_rollback=2)
+    vocab = int(model.args.vocab_size)
+    adapter.prefill(state, [(7 * i + 3) % vocab for i in range(24)])
+    token, out = mx.array([1], mx.int32), []
+    for _ in range(steps):
+        token = mx.argmax(adapter.step(state, token)).reshape(1)
+        out.append(cast(int, token.item()))
+    return out
+
+
+def model_figures(name: str, model: Any, steps: int) -> dict[str, Any]:
+    figures: dict[str, Any] = {"model": name}
+    tokens = {}
+    for label, function in (("kernel", sinkhorn), ("loop", loop_sinkhorn)):
+        with model_sinkhorn(function):
+            costs = measure_round_costs(MTPAdapter(model), trials=5, context=48, parts=False)
+            tokens[label] = greedy_tokens(model, steps)
+        figures[label] = {
+            "plain_step_ms": costs.plain * 1e3,
+            "round_ms": {str(k): v * 1e3 for k, v in costs.rounds.items()},
+        }
+    figures["loop_over_kernel_step"] = (
+        figures["loop"]["plain_step_ms"] / figures["kernel"]["plain_step_ms"]
+    )
+    figures["greedy_tokens_equal"] = tokens["kernel"] == tokens["loop"]
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=43, help="the Flash-shaped model's layers")
+    parser.add_argument("--steps", type=int, default=32, help="greedy steps compared")
+    parser.add_argument("--skip-flash", action="store_true")
+    args = parser.parse_args()
+    from mlxserve.models.demo import load_demo
+
+    report: dict[str, Any] = {
+        "benchmark": "sinkhorn",
+        "device": benchmark_device(),
+        "kernel_in_use": "cuda one-launch" if on_cuda() else "mlx-lm (op loop off Metal)",
+        "kernel_against_loop": kernel_against_loop([1, 8, 64, 4096]),
+    }
+    demo, _ = load_demo()
+    report["models"] = [model_figures("demo", demo, args.steps)]
+    if not args.skip_flash:
+        flash = flash_shaped(args.layers, 512, 64, 8192)
+        report["models"].append(
+            model_figures(f"flash-shaped {args.layers} layers", flash, args.steps)
+        )
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
