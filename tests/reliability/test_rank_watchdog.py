@@ -62,7 +62,14 @@ def fail_the_request(front: LiveServer, follower: "subprocess.Popen[str]") -> tu
     out); then the follower's stderr and when it was seen gone."""
     answer = httpx.post(f"{front.url}/v1/chat/completions", json=BODY, timeout=2 * 60)
     assert answer.status_code == 503, answer.text
-    follower.wait(timeout=30)
+    try:
+        follower.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # say where each side was, not only that it waited
+        follower.kill()
+        _, err = follower.communicate(timeout=10)
+        raise AssertionError(
+            f"the follower outlived the request by 30 s:\n{err[-3000:]}\n{front.tail()}"
+        ) from None
     gone = time.time()
     _, err = follower.communicate(timeout=10)
     return err, gone
