@@ -57,6 +57,9 @@ MAX_TOKENS = {"decode": 64, "ttft": 16, "pair_a": 48, "pair_b": 48}
 FAULTS = ("kill", "hang", "crash")
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "crash": signal.SIGABRT}
 MEMORY_EVERY_S = 5.0
+#: How long the last fault's incident may take to be recorded once the rotation ends:
+#: a frozen engine with no request in flight is found by two failed probes.
+INCIDENT_SETTLE_S = 45.0
 
 
 def config(state: Path, group: bool) -> str:
@@ -151,6 +154,17 @@ class Server:
     def ready(self) -> dict[str, Any]:
         detail: dict[str, Any] = httpx.get(f"{self.url}/ready", timeout=10).json()
         return detail
+
+    def incidents(self, count: int, timeout_s: float) -> list[dict[str, Any]]:
+        """The incidents once `count` are recorded, or those there are after `timeout_s`:
+        the front records a fault's incident when it has reaped the engine, which comes
+        after the failover (for a frozen idle engine, probes later)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found: list[dict[str, Any]] = self.ready()["incidents"]
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
 
     def active(self) -> str | None:
         try:
@@ -255,7 +269,9 @@ def rotation(url: str, tally: Tally, references: dict[str, str], round_: int) ->
 
 def inject_faults(
     server: Server, stop: threading.Event, every_s: float, rng: random.Random
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], threading.Thread]:
+    """The faults injected (filled in as they are) and the thread injecting them, which
+    ends once `stop` is set and its current fault, if any, is in."""
     injected: list[dict[str, Any]] = []
 
     def run() -> None:
@@ -280,8 +296,9 @@ def inject_faults(
             injected.append({"at_s": round(time.monotonic() - began, 1), "kind": kind})
 
     began = time.monotonic()
-    threading.Thread(target=run, name="faults", daemon=True).start()
-    return injected
+    thread = threading.Thread(target=run, name="faults", daemon=True)
+    thread.start()
+    return injected, thread
 
 
 def sample_memory(server: Server, stop: threading.Event) -> list[tuple[float, float | None]]:
@@ -310,7 +327,7 @@ def soak(minutes: float, every_s: float, group: bool, seed: int) -> dict[str, An
             tally = Tally()
             stop = threading.Event()
             memory = sample_memory(server, stop)
-            faults = inject_faults(server, stop, every_s, rng)
+            faults, injector = inject_faults(server, stop, every_s, rng)
             began = time.monotonic()
             rounds = 0
             while time.monotonic() - began < minutes * 60:
@@ -318,7 +335,8 @@ def soak(minutes: float, every_s: float, group: bool, seed: int) -> dict[str, An
                 rounds += 1
             stop.set()
             elapsed = time.monotonic() - began
-            incidents = server.ready()["incidents"]
+            injector.join(30)  # a fault it was injecting as the rotation ended counts too
+            incidents = server.incidents(len(faults), INCIDENT_SETTLE_S)
             failovers = server.metric("mlxserve_failovers_total")
         finally:
             code = server.stop()

@@ -10,9 +10,11 @@ engine -> front:                 tokens, finish (per request), status, error,
                                  progress (while it has work: its step counter)
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from mlxserve.engine.request import Sampling
 
 
 class _Message(BaseModel):
@@ -50,6 +52,39 @@ class Generate(_Message):
     logprobs: int | None = Field(None, ge=0, le=20)
     grammar: str | None = None
     grammar_prefix: list[int] = Field(default_factory=list)
+
+
+class SamplingWire(TypedDict):
+    """A request's sampling fields as `Generate` carries them."""
+
+    temperature: float
+    top_p: float
+    seed: int | None
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: list[tuple[int, float]]
+    logprobs: int | None
+
+
+def sampling_wire(sampling: Sampling) -> SamplingWire:
+    """The sampling fields of an engine request or of a backend's params, for a
+    `Generate`: one mapping for the front's requests and rank 0's broadcasts, so a
+    new field cannot reach one and be lost on the other."""
+    return SamplingWire(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        top_k=sampling.top_k,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=list(sampling.logit_bias),
+        logprobs=sampling.logprobs,
+    )
 
 
 class Cancel(_Message):

@@ -18,33 +18,17 @@ of its own) with two differences that serving needs:
 """
 
 import contextlib
-import os
 import random
 import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from types import FrameType
 from typing import Any, Final
+
+from mlxserve.cluster.signals import SignalCounter
 
 EXIT_WATCHDOG: Final = 75
 SIGNALS_BEFORE_EXIT: Final = 3
-
-
-class _Signals:
-    """Counts SIGINT/SIGTERM; the ranks act on their own copies of them."""
-
-    def __init__(self) -> None:
-        self.received = 0
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received += 1
-        if self.received >= SIGNALS_BEFORE_EXIT:
-            os._exit(128 + signal.SIGINT)
 
 
 def group_status(codes: dict[int, int | None]) -> int:
@@ -119,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             codes[self._rank] = status[0]
             return status
 
-    _Signals().install()
+    # The ranks act on their own copies of the signals; this process waits for them.
+    SignalCounter(SIGNALS_BEFORE_EXIT, exit_code=128 + signal.SIGINT).install()
     launch.RemoteProcess = RecordedProcess
     sys.argv = ["mlx.launch", *(sys.argv[1:] if argv is None else argv)]
     try:

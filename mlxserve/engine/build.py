@@ -84,7 +84,7 @@ SPECULATIVE_BATCH_DEPTH = 2
 
 
 def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> EngineConfig:
-    from mlxserve.hardware.probe import device_type, first_use_step_s
+    from mlxserve.hardware.probe import device_type, step_floor_s
 
     args = getattr(loaded.model, "args", None)
     experts = int(getattr(args, "n_routed_experts", 0) or 0)
@@ -100,7 +100,7 @@ def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> Engine
         prefix_cache_bytes=settings.engine.prefix_cache_mb << 20,
         max_speculative_batch=SPECULATIVE_BATCH,
         batch_speculative_depth=batch_depth,
-        cold_step_s=first_use_step_s(device_type()),
+        step_floor_s=step_floor_s(device_type()),
     )
 
 

@@ -1,12 +1,13 @@
-"""Run one request to completion on the calling thread.
+"""Run requests to completion on the calling thread.
 
-For single-shot callers (`mlxserve generate`, benchmarks): they step the
-engine themselves instead of starting its thread, which the server does.
+For callers that step the engine themselves instead of starting its thread,
+which the server does: single-shot ones (`mlxserve generate`, benchmarks) and
+the engine process's warm-up before it serves.
 """
 
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from mlxserve.engine.engine import Engine, RequestStream
@@ -17,6 +18,8 @@ MAX_STEPS = 10_000_000
 
 # Called with each batch of new tokens; returns True to cancel the request.
 TokenCallback = Callable[[tuple[int, ...]], bool]
+# Called with every event of the requests being run, as it is taken from its stream.
+EventCallback = Callable[[Event], None]
 
 
 @dataclass(frozen=True)
@@ -41,31 +44,62 @@ def drain(stream: RequestStream) -> list[Event]:
             return events
 
 
+def run_until_finished(
+    engine: Engine,
+    requests: Sequence[GenerationRequest],
+    on_event: EventCallback | None = None,
+    max_steps: int = MAX_STEPS,
+) -> dict[str, FinishEvent]:
+    """Submit `requests` and step the engine until each has finished; their finish
+    events by request id. `on_event` sees every event (tokens and finishes) in order.
+
+    Raises RuntimeError naming a request that did not finish: the engine went idle
+    without finishing it, or `max_steps` steps passed.
+    """
+    streams = [engine.submit(request) for request in requests]
+    finished: dict[str, FinishEvent] = {}
+    for _ in range(max_steps):
+        progressed = engine.run_once()
+        for stream in streams:
+            for event in drain(stream):
+                if on_event is not None:
+                    on_event(event)
+                if isinstance(event, FinishEvent):
+                    finished[event.request_id] = event
+        if len(finished) == len(streams):
+            return finished
+        if not progressed and engine.scheduler.idle:
+            break  # nothing left to run, so the missing finish events can never come
+    missing = next(r.request_id for r in requests if r.request_id not in finished)
+    raise RuntimeError(f"request {missing} did not finish")
+
+
 def run_to_completion(
     engine: Engine, request: GenerationRequest, on_tokens: TokenCallback | None = None
 ) -> Completed:
+    """Run one request; its tokens, finish and timings (to the first token and the end)."""
     started = time.perf_counter()
     cpu_started = time.process_time()
-    stream = engine.submit(request)
     tokens: list[int] = []
-    first_token_at = 0.0
-    first_token_cpu = 0.0
-    for _ in range(MAX_STEPS):
-        progressed = engine.run_once()
-        for event in drain(stream):
-            if isinstance(event, TokensEvent):
-                if not first_token_at:
-                    first_token_at, first_token_cpu = time.perf_counter(), time.process_time()
-                tokens.extend(event.token_ids)
-                if on_tokens is not None and on_tokens(event.token_ids):
-                    engine.cancel(request.request_id)
-            else:
-                now, cpu_now = time.perf_counter(), time.process_time()
-                ttft = (first_token_at or now) - started
-                cpu_ttft = (first_token_cpu or cpu_now) - cpu_started
-                return Completed(
-                    tokens, event, ttft, now - started, cpu_ttft, cpu_now - cpu_started
-                )
-        if not progressed and engine.scheduler.idle:
-            break  # nothing left to run, so the finish event can never come
-    raise RuntimeError(f"request {request.request_id} did not finish")
+    first_token: list[tuple[float, float]] = []  # (wall, CPU) when the first came
+
+    def seen(event: Event) -> None:
+        if not isinstance(event, TokensEvent):
+            return
+        if not first_token:
+            first_token.append((time.perf_counter(), time.process_time()))
+        tokens.extend(event.token_ids)
+        if on_tokens is not None and on_tokens(event.token_ids):
+            engine.cancel(request.request_id)
+
+    finish = run_until_finished(engine, [request], seen)[request.request_id]
+    now, cpu_now = time.perf_counter(), time.process_time()
+    first_at, first_cpu = first_token[0] if first_token else (now, cpu_now)
+    return Completed(
+        tokens,
+        finish,
+        first_at - started,
+        now - started,
+        first_cpu - cpu_started,
+        cpu_now - cpu_started,
+    )

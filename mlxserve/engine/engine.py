@@ -78,9 +78,10 @@ class EngineConfig:
     # Batched speculation: up to this many requests draft together, at this depth.
     max_speculative_batch: int = 0
     batch_speculative_depth: int = 0
-    # The least any step is expected to take (`StepTimes`): 0 unless kernels compile
-    # on first use.
-    cold_step_s: float = 0.0
+    # The least time any step is allowed (`StepTimes.floor_s`), not only a step on
+    # new shapes: on CUDA 1.25 s, where any new shape compiles, in a step or between
+    # steps, too many to track; 0 where nothing compiles (a CPU, Metal).
+    step_floor_s: float = 0.0
 
 
 class RequestStream:
@@ -160,7 +161,7 @@ class Engine:
         # Set while the engine warms up (`mlxserve.engine.warmup`), on a follower
         # while it runs rank 0's warm-up steps: the watchdog allows such steps longer.
         self.warming_up = False
-        self.step_times = StepTimes(cold_s=config.cold_step_s)
+        self.step_times = StepTimes(floor_s=config.step_floor_s)
         # MLX's peak is reset whenever the engine goes idle (`_idle`): `busy_peak_bytes`
         # is then the peak of the current busy period, `_serving_peak` the ones before.
         self._serving_peak = 0

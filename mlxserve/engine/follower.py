@@ -9,33 +9,16 @@ Like rank 0's engine it runs the progress watchdog: a step that never finishes
 """
 
 import logging
-import os
-import signal
-from types import FrameType
 
+from mlxserve.cluster.signals import SignalCounter
 from mlxserve.config import Settings
 from mlxserve.errors import UsageError
 
 log = logging.getLogger(__name__)
 
 
-class _FirstSignalWaits:
-    """`mlx.launch` forwards Ctrl-C to every rank: rank 0 then drains and broadcasts
-    stop, so the first signal here only waits for that; a second one exits at once
-    (a rank 0 that is gone can send nothing)."""
-
-    def __init__(self) -> None:
-        self.received = 0
-
-    def install(self) -> None:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received += 1
-        if self.received > 1:
-            os._exit(128 + signum)
-        log.info("signal %d: waiting for rank 0 to stop (again to exit now)", signum)
+def _waiting_for_rank_0(signum: int) -> None:
+    log.info("signal %d: waiting for rank 0 to stop (again to exit now)", signum)
 
 
 def run_follower(settings: Settings) -> int:
@@ -48,7 +31,10 @@ def run_follower(settings: Settings) -> int:
     from mlxserve.reliability.watchdog import Watchdog
 
     configure_logging()
-    _FirstSignalWaits().install()
+    # `mlx.launch` forwards Ctrl-C to every rank: rank 0 then drains and broadcasts
+    # stop, so the first signal here only waits for that; a second one exits at once
+    # (a rank 0 that is gone can send nothing).
+    SignalCounter(2, on_wait=_waiting_for_rank_0).install()
     try:  # read here, at rank start: a test's follower-only stall (never in production)
         hang_at = active_faults().follower_hang_at_step
     except ValueError as exc:

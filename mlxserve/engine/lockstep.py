@@ -25,7 +25,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxserve.channel.messages import Generate
+from mlxserve.channel.messages import Generate, sampling_wire
 from mlxserve.cluster.broadcast import broadcast_bytes
 from mlxserve.engine.process_front import to_request
 from mlxserve.engine.request import GenerationRequest
@@ -40,23 +40,13 @@ class Diverged(RuntimeError):
 
 def as_generate(request: GenerationRequest) -> Generate:
     """A request in the engine channel's wire form, which ``to_request`` reads back."""
-    sampling = request.sampling
     return Generate(
         id=request.request_id,
         prompt_ids=list(request.prompt_ids),
         max_tokens=request.max_tokens,
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
         stop_token_ids=sorted(request.stop_token_ids),
         speculative_depth=request.speculative_depth,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=sampling.repetition_penalty,
-        logit_bias=list(sampling.logit_bias),
-        logprobs=sampling.logprobs,
+        **sampling_wire(request.sampling),
         grammar=request.grammar,
         grammar_prefix=list(request.grammar_prefix),
     )

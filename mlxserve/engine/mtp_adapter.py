@@ -181,11 +181,7 @@ class MTPAdapter:
             mx.eval(draft_ids, count, final, main_streams, caches)
             kept = token_id(count)
             emitted = [*_ints(draft_ids)[:kept], token_id(final)]
-        accepted = len(emitted) - 1
-        _rollback(state, depth, accepted, carried, used)
-        state.carry = main_streams[:, : accepted + 1]
-        state.carry_tokens = [mx.array(emitted[:accepted])] if accepted else []
-        return emitted, depth, accepted
+        return _settle(state, emitted, depth, carried, used, main_streams)
 
     def speculate_chosen(
         self,
@@ -212,11 +208,7 @@ class MTPAdapter:
         caches = [c.state for c in (*state.cache, *state.mtp_cache)]
         mx.async_eval(main_logits, main_streams, caches)  # type: ignore[no-untyped-call]
         emitted = chosen.verify(main_logits, keys)
-        accepted = len(emitted) - 1
-        _rollback(state, depth, accepted, carried, used)
-        state.carry = main_streams[:, : accepted + 1]
-        state.carry_tokens = [mx.array(emitted[:accepted])] if accepted else []
-        return emitted, depth, accepted
+        return _settle(state, emitted, depth, carried, used, main_streams)
 
     def measure_costs(
         self,
@@ -236,6 +228,24 @@ class MTPAdapter:
     def nbytes(self, state: Any) -> int:
         assert isinstance(state, MTPState)
         return sum(int(getattr(c, "nbytes", 0)) for c in (*state.cache, *state.mtp_cache))
+
+
+def _settle(
+    state: MTPState,
+    emitted: list[int],
+    depth: int,
+    carried: int,
+    used: list[int],
+    main_streams: mx.array,
+) -> tuple[list[int], int, int]:
+    """The end of a verified round, however its tokens were chosen: the wrong guesses
+    trimmed, the kept ones carried into the next round's drafts; (emitted, drafted,
+    accepted)."""
+    accepted = len(emitted) - 1
+    _rollback(state, depth, accepted, carried, used)
+    state.carry = main_streams[:, : accepted + 1]
+    state.carry_tokens = [mx.array(emitted[:accepted])] if accepted else []
+    return emitted, depth, accepted
 
 
 def _rollback(state: MTPState, depth: int, accepted: int, carried: int, used: list[int]) -> None:

@@ -33,6 +33,17 @@ class SamplingFields(Protocol):
     def logprobs(self) -> int | None: ...
 
 
+class Sampling(SamplingFields, Protocol):
+    """All of a request's sampling fields, temperature, top_p and seed included."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def seed(self) -> int | None: ...
+
+
 def only_temperature_top_p(fields: SamplingFields) -> bool:
     """No field beyond temperature, top_p and seed asks for anything."""
     return (

@@ -181,12 +181,7 @@ class Runner:
     def _decode_all(self, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Requests in steady decoding join a batch and every batch takes one step."""
         emitted: dict[str, list[int]] = {}
-        named = {s.request_id for s in sequences}
-        for batch in list(self.batches):
-            stray = [i for i, s in enumerate(batch.rows) if s.request_id not in named]
-            if stray and len(stray) < len(batch.rows):
-                # Rows this step does not decode must not advance: they go on alone.
-                self._remove(batch, stray, finished=False)
+        named = self._leave_unnamed(sequences)
         for sequence in sequences:
             if sequence.request_id in self._batch_of:
                 continue
@@ -321,6 +316,17 @@ class Runner:
                     sequence.pending = batch.tokens[index]
             batch.tokens = None
 
+    def _leave_unnamed(self, sequences: list[Sequence]) -> set[str]:
+        """The ids of `sequences`, the rows this step runs. Rows it does not run must
+        not advance: they leave their batches and go on alone (a batch none of whose
+        rows is named is left as it is)."""
+        named = {s.request_id for s in sequences}
+        for batch in list(self.batches):
+            stray = [i for i, s in enumerate(batch.rows) if s.request_id not in named]
+            if stray and len(stray) < len(batch.rows):
+                self._remove(batch, stray, finished=False)
+        return named
+
     def _remove(self, batch: _Batch, indices: list[int], finished: bool) -> None:
         """Rows leave: finished ones to the prefix cache, others with their own state."""
         self._materialize(batch)
@@ -354,11 +360,7 @@ class Runner:
         back to a request's own round.
         """
         emitted: dict[str, list[int]] = {}
-        named = {s.request_id for s in sequences}
-        for batch in list(self.batches):
-            stray = [i for i, s in enumerate(batch.rows) if s.request_id not in named]
-            if stray and len(stray) < len(batch.rows):
-                self._remove(batch, stray, finished=False)
+        named = self._leave_unnamed(sequences)
         for sequence in sequences:
             if sequence.request_id not in self._batch_of and not (
                 self._ready(sequence) and self._enter(sequence)

@@ -8,9 +8,10 @@ chunk after short ones is expected to take as long as its tokens say.
 Where kernels compile on their first use (MLX's CUDA backend), any work on a
 shape never run before (a new batch size, draft count, stacked-cache width, MTP
 backlog: inside a step or between steps) takes seconds, however fast such work
-usually is, and the shapes are too many to list. ``cold_s`` is what any step is
-expected to be allowed there (0 where nothing compiles, e.g. a CPU), so the
-front's hang limit never drops below what a compile takes.
+usually is, and the shapes are too many to list. ``floor_s`` is the least time
+any step is allowed there, whether or not it meets a new shape (0 where nothing
+compiles, e.g. a CPU), so the front's hang limit never drops below what a
+compile takes.
 """
 
 import math
@@ -26,11 +27,11 @@ WINDOW: Final = 256  # recent steps per kind
 class StepTimes:
     """Recent step durations per kind; written by the engine thread, read by any."""
 
-    def __init__(self, window: int = WINDOW, cold_s: float = 0.0) -> None:
+    def __init__(self, window: int = WINDOW, floor_s: float = 0.0) -> None:
         self._lock = threading.Lock()
         self._seconds: dict[StepKind, deque[float]] = {}
         self._window = window
-        self.cold_s = cold_s
+        self.floor_s = floor_s
 
     def record(self, plan: StepPlan, seconds: float) -> None:
         per = seconds / max(plan.num_tokens, 1) if plan.kind == "prefill" else seconds
@@ -51,7 +52,7 @@ class StepTimes:
 
     def expected_s(self, plan: StepPlan | None) -> float:
         """The p99 duration of steps like `plan` (None: between steps), at least
-        ``cold_s`` (0.0: nothing like it measured yet, nothing compiles)."""
+        ``floor_s`` (0.0: nothing like it measured yet, nothing compiles)."""
         if plan is None:
             expected = max((self.p99(kind) or 0.0) for kind in ("decode", "speculate"))
         else:
@@ -59,4 +60,4 @@ class StepTimes:
             expected = 0.0 if p99 is None else p99
             if plan.kind == "prefill":
                 expected *= plan.num_tokens
-        return max(expected, self.cold_s)
+        return max(expected, self.floor_s)

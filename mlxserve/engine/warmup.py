@@ -28,9 +28,9 @@ import logging
 import time
 from typing import Literal
 
-from mlxserve.engine.drive import drain
+from mlxserve.engine.drive import run_until_finished
 from mlxserve.engine.engine import Engine
-from mlxserve.engine.request import FinishEvent, GenerationRequest
+from mlxserve.engine.request import GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +79,8 @@ def warm_up(engine: Engine, prompt: tuple[int, ...]) -> float:
 
 
 def _run(engine: Engine, requests: list[GenerationRequest]) -> None:
-    streams = [engine.submit(request) for request in requests]
-    finished: dict[str, FinishEvent] = {}
-    for _ in range(MAX_STEPS):
-        progressed = engine.run_once()
-        for stream in streams:
-            for event in drain(stream):
-                if isinstance(event, FinishEvent):
-                    finished[event.request_id] = event
-        if len(finished) == len(streams):
-            break
-        if not progressed and engine.scheduler.idle:
-            break
+    finished = run_until_finished(engine, requests, max_steps=MAX_STEPS)
     for request in requests:
-        finish = finished.get(request.request_id)
-        if finish is None:
-            raise RuntimeError(f"warm-up request {request.request_id} did not finish")
+        finish = finished[request.request_id]
         if finish.finish_reason == "error":
             raise RuntimeError(f"warm-up request {request.request_id} failed: {finish.error}")

@@ -52,12 +52,13 @@ def package_version(name: str) -> str:
 #: first two-request batch after the warm-up. 1.25 s x the front's 20 = 25 s,
 #: under the engine's 30 s watchdog. Metal and the CPU: 0 (nothing measured says
 #: otherwise), so hangs there are told within the front's floor.
-FIRST_USE_STEP_S: dict[str, float] = {"cuda": 1.25}
+STEP_FLOOR_S: dict[str, float] = {"cuda": 1.25}
 
 
-def first_use_step_s(device: str) -> float:
-    """The least any step is expected to take on ``device`` (seconds)."""
-    return FIRST_USE_STEP_S.get(device, 0.0)
+def step_floor_s(device: str) -> float:
+    """The least time any step is allowed on ``device`` (seconds), cold or not: where
+    kernels compile on first use, any step or the gap before it may meet a new shape."""
+    return STEP_FLOOR_S.get(device, 0.0)
 
 
 def device_type() -> DeviceType:

@@ -1,5 +1,7 @@
 """Simulated ranks: named by chip, so every policy decision is testable anywhere."""
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxserve.errors import UsageError
@@ -10,6 +12,13 @@ from mlxserve.hardware.profile import NAX_MIN_MACOS, RankProfile
 CPU_CHIP = "cpu"
 # A chip name that means "a Linux machine running MLX on an NVIDIA GPU" (mlx[cuda]).
 CUDA_CHIP = "cuda"
+
+
+#: The Linux ranks by chip name: the chip a probe reports, the device, the memory.
+_LINUX_RANKS: dict[str, tuple[str, Literal["cpu", "cuda"], int]] = {
+    CPU_CHIP: ("Linux CPU", "cpu", 64 << 30),
+    CUDA_CHIP: ("NVIDIA GPU", "cuda", 141 << 30),
+}
 
 
 class SimulatedRank(BaseModel):
@@ -66,35 +75,21 @@ def simulated_profile(
     Defaults follow the common case: an Apple rank on a macOS recent enough
     for NAX, running this machine's mlx and mlx-lm.
     """
-    if spec.chip.strip().lower() == CPU_CHIP:
+    linux = _LINUX_RANKS.get(spec.chip.strip().lower())
+    if linux is not None:
+        chip, device, memory_bytes = linux
         if spec.macos is not None:
-            raise UsageError(f"simulated rank {rank}: a cpu rank runs Linux, not macOS")
+            raise UsageError(f"simulated rank {rank}: a {device} rank runs Linux, not macOS")
         return RankProfile(
             hostname=f"sim-rank{rank}",
-            chip="Linux CPU",
+            chip=chip,
             gpu_architecture=None,
-            device_type="cpu",
+            device_type=device,
             os_name="Linux",
             os_version="6.1",
             mlx_version=spec.mlx or local_mlx,
             mlx_lm_version=local_mlx_lm,
-            memory_bytes=_memory(spec, 64),
-            mlx_nax_build=False,
-            simulated=True,
-        )
-    if spec.chip.strip().lower() == CUDA_CHIP:
-        if spec.macos is not None:
-            raise UsageError(f"simulated rank {rank}: a cuda rank runs Linux, not macOS")
-        return RankProfile(
-            hostname=f"sim-rank{rank}",
-            chip="NVIDIA GPU",
-            gpu_architecture=None,
-            device_type="cuda",
-            os_name="Linux",
-            os_version="6.1",
-            mlx_version=spec.mlx or local_mlx,
-            mlx_lm_version=local_mlx_lm,
-            memory_bytes=_memory(spec, 141),
+            memory_bytes=int(spec.memory * 2**30) if spec.memory else memory_bytes,
             mlx_nax_build=False,
             simulated=True,
         )

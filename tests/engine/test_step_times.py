@@ -29,11 +29,11 @@ def test_the_window_forgets_old_steps() -> None:
     assert times.p99("decode") == 0.02
 
 
-def test_where_kernels_compile_every_step_gets_the_allowance() -> None:
+def test_where_kernels_compile_every_step_gets_the_floor() -> None:
     """On a device that compiles on first use (any new shape, in or between steps)
-    the expected time never drops below the allowance; a warm-up's clear forgets
+    the expected time never drops below the step floor; a warm-up's clear forgets
     its durations."""
-    times = StepTimes(cold_s=1.25)
+    times = StepTimes(floor_s=1.25)
     assert times.expected_s(plan("decode")) == 1.25
     assert times.expected_s(None) == 1.25
     times.record(plan("decode"), 0.01)
@@ -42,11 +42,11 @@ def test_where_kernels_compile_every_step_gets_the_allowance() -> None:
     assert times.expected_s(plan("decode")) == 2.0
     times.clear()
     assert times.p99("decode") is None
-    assert StepTimes().expected_s(plan("decode")) == 0.0  # nothing compiles: no allowance
+    assert StepTimes().expected_s(plan("decode")) == 0.0  # nothing compiles: no floor
 
 
-def test_first_use_allowance_by_device() -> None:
-    from mlxserve.hardware.probe import first_use_step_s
+def test_step_floor_by_device() -> None:
+    from mlxserve.hardware.probe import step_floor_s
 
-    assert first_use_step_s("cuda") > 0
-    assert first_use_step_s("cpu") == first_use_step_s("metal") == 0.0
+    assert step_floor_s("cuda") > 0
+    assert step_floor_s("cpu") == step_floor_s("metal") == 0.0

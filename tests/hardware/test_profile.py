@@ -66,6 +66,12 @@ def test_simulated_ranks_default_to_nax_capable_macos_and_local_mlx() -> None:
     assert (cpu.device_type, cpu.os_name, cpu.nax) == ("cpu", "Linux", False)
     with pytest.raises(UsageError, match="cpu rank runs Linux"):
         simulated_profile(0, SimulatedRank(chip="cpu", macos="26.2"), "0.32.4", "0.32.2")
+    gpu = simulated_profile(2, SimulatedRank(chip="CUDA", mlx="0.33.0"), "0.32.4", "0.32.2")
+    assert (gpu.chip, gpu.device_type, gpu.nax) == ("NVIDIA GPU", "cuda", False)
+    assert gpu.os_name == "Linux"
+    assert (gpu.hostname, gpu.mlx_version, gpu.memory_bytes) == ("sim-rank2", "0.33.0", 141 << 30)
+    with pytest.raises(UsageError, match="cuda rank runs Linux"):
+        simulated_profile(0, SimulatedRank(chip="cuda", macos="26.2"), "0.32.4", "0.32.2")
 
 
 def test_parse_cluster_spec() -> None:

@@ -62,7 +62,14 @@ def fail_the_request(front: LiveServer, follower: "subprocess.Popen[str]") -> tu
     out); then the follower's stderr and when it was seen gone."""
     answer = httpx.post(f"{front.url}/v1/chat/completions", json=BODY, timeout=2 * 60)
     assert answer.status_code == 503, answer.text
-    follower.wait(timeout=30)
+    try:
+        follower.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # say where each side was, not only that it waited
+        follower.kill()
+        _, err = follower.communicate(timeout=10)
+        raise AssertionError(
+            f"the follower outlived the request by 30 s:\n{err[-3000:]}\n{front.tail()}"
+        ) from None
     gone = time.time()
     _, err = follower.communicate(timeout=10)
     return err, gone
@@ -90,7 +97,7 @@ def test_followers_are_gone_as_soon_as_a_stalled_rank_0(tmp_path: Path) -> None:
             assert "watchdog: no progress" in err and f"stuck step: index={HANG_STEP}" in err
         else:  # rank 0's exit broke the collective first
             assert follower.returncode != 0 and "peer was lost" in err, err[-3000:]
-        hang = hung_at(front.lines)
+        hang = logged_at(front.logged("injected hang at step"))  # relayed from its engine
         exits = [i for i in front.incidents(1) if i["exit_code"] == 75]
         assert exits, front.tail()
         assert exits[0]["at"] - hang <= PROGRESS_TIMEOUT_S + 2.0, (exits, hang)

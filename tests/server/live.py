@@ -94,6 +94,31 @@ class LiveServer:
                 return found
             time.sleep(0.1)
 
+    def settled(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """/ready once no backend has a request in flight: a backend's count drops when
+        its stream is closed, which can be an event-loop turn after the admission slot
+        (`mlxserve_running_requests`) is released."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            _, detail = self.ready()
+            idle = all(b["in_flight"] == 0 for b in detail["backends"])
+            if idle or time.monotonic() > deadline:
+                return detail
+            time.sleep(0.1)
+
+    def logged(self, text: str, timeout_s: float = 15.0) -> str:
+        """The first line of the server's output containing `text`, once read: the line
+        is written before what the test saw (an answer, a record), but this process's
+        reader thread takes it from the pipe a moment later."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            found = next((line for line in list(self.lines) if text in line), None)
+            if found is not None:
+                return found
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not logged in {timeout_s} s:\n{self.tail()}")
+            time.sleep(0.05)
+
     def wait_ready(self, timeout: float, active: str | None = None) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while True:

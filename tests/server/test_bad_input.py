@@ -106,8 +106,8 @@ def test_queue_full_is_429_and_disconnects_cancel(live: LiveServer) -> None:
         assert time.monotonic() < deadline, "disconnected streams kept their slots"
         time.sleep(0.05)
     assert live.metric(COMPLETED) == completed, "a dropped stream generated to the end"
-    _, detail = live.ready()
-    assert all(b["in_flight"] == 0 for b in detail["backends"])
+    detail = live.settled()
+    assert all(b["in_flight"] == 0 for b in detail["backends"]), detail
 
 
 def _fields(model: type) -> list[str]:
@@ -196,5 +196,5 @@ def test_non_streamed_request_is_cancelled_when_its_client_goes(live: LiveServer
         time.sleep(0.05)
     assert live.metric(COMPLETED) == completed, "the abandoned request generated to the end"
     assert live.metric("mlxserve_requests_total", status="499") == closed + 1
-    _, detail = live.ready()
-    assert all(b["in_flight"] == 0 for b in detail["backends"])
+    detail = live.settled()
+    assert all(b["in_flight"] == 0 for b in detail["backends"]), detail

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.server.live import MODEL, LiveServer
-from tests.server.test_failover import Stream, check_recovery, incidents, run_all
+from tests.server.test_failover import Stream, check_recovery, run_all
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +89,7 @@ def test_kill_9_of_the_follower_restarts_the_group(server: LiveServer) -> None:
     for stream in streams:
         assert stream.error is None, stream.error
     assert server.metric("mlxserve_failovers_total") == 1
-    assert [i["backend"] for i in incidents(server, 1)] == ["primary"], server.tail()
+    assert [i["backend"] for i in server.incidents(1)] == ["primary"], server.tail()
     # The group comes back whole (both ranks new) and serves the same text.
     reference = check_recovery(server, streams)
     assert all(s.backend == "primary" for s in reference)

@@ -36,6 +36,7 @@ from mlxserve.channel.messages import (
     StatusRequest,
     decode_engine,
     encode,
+    sampling_wire,
 )
 from mlxserve.channel.messages import Tokens as Tokens_
 from mlxserve.engine.request import TokenLogprob
@@ -447,18 +448,9 @@ class LocalEngine(Backend):
                     id=request_id,
                     prompt_ids=list(params.prompt_ids),
                     max_tokens=params.max_tokens,
-                    temperature=params.temperature,
-                    top_p=params.top_p,
-                    seed=params.seed,
                     stop_token_ids=list(params.stop_token_ids),
                     speculative_depth=None,
-                    top_k=params.top_k,
-                    min_p=params.min_p,
-                    presence_penalty=params.presence_penalty,
-                    frequency_penalty=params.frequency_penalty,
-                    repetition_penalty=params.repetition_penalty,
-                    logit_bias=list(params.logit_bias),
-                    logprobs=params.logprobs,
+                    **sampling_wire(params),
                     grammar=params.grammar,
                     grammar_prefix=list(params.grammar_prefix),
                 )

@@ -63,17 +63,8 @@ async def chat_completions(request: Request) -> Response:
     generations = call.runtime.generations
     extra = call.extra()
     extra["logprobs"] = chat_logprobs_count(body)
-    prepared = generations.prepare(
-        prompt.ids,
-        max_tokens=body.token_limit,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
-        stops=body.stop_strings(),
-        ignore_eos=bool(body.ignore_eos),
-        limit_param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-        extra=extra,
-    )
+    limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    prepared = call.prepare(limit_param=limit_param, extra=extra)
     meta: dict[str, Any] = {
         "id": f"chatcmpl-{prepared.request_id}",
         "created": int(time.time()),

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from mlxserve.server.chat_prompt import ChatPrompt, build_chat_prompt
 from mlxserve.server.constraints import after_reasoning, response_format_grammar
+from mlxserve.server.generation import Prepared
 from mlxserve.server.protocol import ChatCompletionRequest
 from mlxserve.server.responses_protocol import ResponsesRequest
 from mlxserve.server.routes.common import parse_body, runtime_of, sampling_extra
@@ -50,6 +51,25 @@ class ChatCall(Generic[Body]):
         extra = sampling_extra(self.chat)
         extra["grammar"] = chat_grammar(self.chat, self.prompt)
         return extra
+
+    def prepare(
+        self, *, limit_param: str = "max_tokens", extra: dict[str, Any] | None = None
+    ) -> Prepared:
+        """The checked generation of this call, from its internal chat request (the
+        limit, temperature, top_p, seed, stops, ignore_eos) and `extra` (by default
+        `self.extra()`): every API reads them the same way, whichever it came by."""
+        chat = self.chat
+        return self.runtime.generations.prepare(
+            self.prompt.ids,
+            max_tokens=chat.token_limit,
+            temperature=chat.temperature,
+            top_p=chat.top_p,
+            seed=chat.seed,
+            stops=chat.stop_strings(),
+            ignore_eos=bool(chat.ignore_eos),
+            limit_param=limit_param,
+            extra=self.extra() if extra is None else extra,
+        )
 
 
 async def read_chat(

@@ -91,17 +91,9 @@ def _tool_block(call: ParsedToolCall) -> dict[str, Any]:
 @_anthropic
 async def messages(request: Request) -> Response:
     call = await read_chat(request, MessagesRequest, to_chat)
-    body, chat, prompt = call.body, call.chat, call.prompt
+    body, prompt = call.body, call.prompt
     generations = call.runtime.generations
-    prepared = generations.prepare(
-        prompt.ids,
-        max_tokens=body.max_tokens,
-        temperature=chat.temperature,
-        top_p=chat.top_p,
-        seed=None,
-        stops=chat.stop_strings(),
-        extra=call.extra(),
-    )
+    prepared = call.prepare()
     message_id = f"msg_{prepared.request_id}"
     answer = Answer(prompt, call.runtime.codec)
     deltas = generations.run(prepared)

@@ -208,18 +208,9 @@ def _response(
 
 async def responses(request: Request) -> Response:
     call = await read_chat(request, ResponsesRequest, to_chat)
-    body, chat, prompt = call.body, call.chat, call.prompt
+    body, prompt = call.body, call.prompt
     generations = call.runtime.generations
-    prepared = generations.prepare(
-        prompt.ids,
-        max_tokens=chat.token_limit,
-        temperature=chat.temperature,
-        top_p=chat.top_p,
-        seed=chat.seed,
-        stops=[],
-        limit_param="max_output_tokens",
-        extra=call.extra(),
-    )
+    prepared = call.prepare(limit_param="max_output_tokens")
     head: dict[str, Any] = {
         "id": f"resp_{prepared.request_id}",
         "object": "response",
