@@ -7,6 +7,7 @@
 """
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from mlxserve.errors import UsageError
 from mlxserve.hardware.probe import package_version, probe_local
 from mlxserve.hardware.profile import RankProfile
 from mlxserve.hardware.simulate import SimulatedRank, parse_cluster_spec, simulated_profile
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,26 +64,51 @@ class GroupPortTaken(RuntimeError):
 
 #: How MLX's ring reports a port in use (errno 98 on Linux, 48 on macOS).
 _PORT_TAKEN = re.compile(r"bind socket \(error: (98|48)\)|Address already in use")
+#: How it reports a peer that is not listening yet (ECONNREFUSED: 111 on Linux, 61 on
+#: macOS), after retrying for 15-30 s itself.
+_PEER_NOT_UP = re.compile(r"Couldn't connect \(error: (111|61)\)|Connection refused")
+#: Joins tried while a peer is not up yet. The ranks start together, but one can lag
+#: by more than MLX's own wait: rank 0 may be a front that starts its engine only once
+#: it is up, and on a loaded machine that took longer (seen in CI). MLX's init can be
+#: called again in the same process, so a rank waits up to about 2-3 minutes.
+JOIN_ATTEMPTS = 6
 
 
 def _distributed(settings: ClusterSettings) -> Membership:
-    import mlx.core as mx
 
     backend: Backend = "ring" if settings.backend == "auto" else settings.backend
     if settings.backend == "auto" and "MLX_JACCL_COORDINATOR" in os.environ:
         backend = "jaccl"
-    try:
-        group = mx.distributed.init(strict=True, backend=backend)
-    except RuntimeError as exc:
-        if _PORT_TAKEN.search(str(exc)):
-            # Another process took a port between the launcher's choice and our bind:
-            # a restart (new ports) helps, so this is not a settings error.
-            raise GroupPortTaken(f"cannot join the {backend} cluster: {exc}") from None
-        raise UsageError(f"cannot join the {backend} cluster: {exc}") from None
+    group = _join(backend)
     rank = group.rank()
     profiles = gather_profiles(group, _self_profile(settings, rank))
     wires = settings.wires or _hostfile_wires(rank)
     return Membership(Cluster(ranks=profiles, backend=backend, wires=wires), rank=rank, group=group)
+
+
+def _join(backend: Backend) -> Any:
+    """``mx.distributed.init``, again while a peer is not up yet (`JOIN_ATTEMPTS`)."""
+    import mlx.core as mx
+
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        try:
+            return mx.distributed.init(strict=True, backend=backend)
+        except RuntimeError as exc:
+            if _PORT_TAKEN.search(str(exc)):
+                # Another process took a port between the launcher's choice and our
+                # bind: a restart (new ports) helps, so this is not a settings error.
+                raise GroupPortTaken(f"cannot join the {backend} cluster: {exc}") from None
+            if not _PEER_NOT_UP.search(str(exc)) or attempt == JOIN_ATTEMPTS:
+                tried = f" ({attempt} attempts)" if attempt > 1 else ""
+                raise UsageError(f"cannot join the {backend} cluster{tried}: {exc}") from None
+            log.warning(
+                "a peer of the %s group is not up yet (%s): joining again (%d of %d)",
+                backend,
+                exc,
+                attempt + 1,
+                JOIN_ATTEMPTS,
+            )
+    raise AssertionError("unreachable")
 
 
 def _self_profile(settings: ClusterSettings, rank: int) -> RankProfile:
