@@ -40,7 +40,9 @@ def test_a_stored_prompt_counts_its_positions_not_the_allocation(llama_model: Mo
     mx.synchronize()
     held = mx.get_active_memory() - before
     assert cache.nbytes == len(tokens) * BYTES_PER_POSITION < allocated
-    assert held <= cache.nbytes + 1024  # MLX agrees: the copy, not the source
+    # MLX agrees: the copy, not the source (it may round small buffers up, or place
+    # them in a larger freed one: 6.9 KB for these 5.1 KB once, under load).
+    assert held <= 2 * cache.nbytes < allocated
     # The bound is on what is held: eviction frees the counted bytes exactly.
     cache.store(tuple(tokens[:5]), _prefilled(adapter, tokens[:5], reserve=100))
     assert cache.nbytes == 15 * BYTES_PER_POSITION
