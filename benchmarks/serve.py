@@ -12,7 +12,11 @@ level: its peak during the level, the weights, one request's caches, the prefix
 cache; `memory_before`: the same after the level's warm-up):
 
 - `comparison`: mlxserve and mlx_lm.server serving the same model in the same
-  run, and their ratios (mlxserve / mlx_lm). mlx_lm.server cannot load the
+  run, both up at once, and their ratios (mlxserve / mlx_lm). Per level each
+  server warms up, then `--rounds` rounds run each server once in turn (which
+  one goes first alternates): a ratio of tok/s is the median of the rounds'
+  paired ratios, so a machine whose speed drifts (a shared CPU, a GPU's clocks)
+  slows both servers alike; a level's row is its median round. mlx_lm.server cannot load the
   demo model (DeepSeek-V4 is not an mlx-lm model type), so both serve a random
   float32 mlx-lm model saved to a temporary directory with the demo's
   tokenizer (`--generic`): by default the continuous-batching issue's 35.8M
@@ -42,6 +46,7 @@ import asyncio
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -246,28 +251,76 @@ async def run_level(
     }
 
 
+def warm_level(server: Server, clients: int, extra: dict[str, Any]) -> dict[str, int] | None:
+    """An untimed run at this concurrency: kernels for its batch shapes (MLX CUDA
+    compiles on first use) and the allocator's buffers exist before timing. The
+    engine's memory after it (mlxserve only)."""
+    try:
+        return asyncio.run(run_level(server, clients, 1, 8, extra))["memory"]  # type: ignore[no-any-return]
+    except httpx.HTTPError as exc:
+        print(f"warm-up at {clients} clients failed: {exc!r}\n{server.tail()}", file=sys.stderr)
+        server.wait_ready()
+        return None
+
+
+def timed_level(
+    server: Server, clients: int, requests: int, max_tokens: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """One timed run of the level; a failure is recorded and the server waited for."""
+    try:
+        return asyncio.run(run_level(server, clients, requests, max_tokens, extra))
+    except httpx.HTTPError as exc:
+        print(f"{clients} clients failed: {exc!r}\n{server.tail()}", file=sys.stderr)
+        server.wait_ready()
+        return {"clients": clients, "error": repr(exc), "memory": None, **NO_RESULT}
+
+
+def median_round(rounds: list[dict[str, Any]], memory_before: Any) -> dict[str, Any]:
+    """The level's row: its round of median throughput (a whole row, so its latencies
+    belong to one run), with every round's tok/s and the memory the last round left
+    (each round is a busy period of its own, so its peak is that round's)."""
+    done = sorted((r for r in rounds if r.get("tokens_per_s")), key=lambda r: r["tokens_per_s"])
+    row = dict(done[len(done) // 2] if done else rounds[-1])
+    row["rounds_tokens_per_s"] = [r.get("tokens_per_s") for r in rounds]
+    row["memory"] = rounds[-1].get("memory")
+    row["memory_before"] = memory_before
+    return row
+
+
 def measure(
-    server: Server, levels: list[int], requests: int, max_tokens: int, extra: dict[str, Any]
-) -> list[dict[str, Any]]:
-    server.wait_ready()
-    results = []
-    for n in levels:
-        # Untimed warm-up at this concurrency: kernels for its batch shapes (MLX CUDA
-        # compiles on first use) and the allocator's buffers exist before timing.
-        warm: dict[str, Any] = {"memory": None}
-        try:
-            warm = asyncio.run(run_level(server, n, 1, 8, extra))
-        except httpx.HTTPError as exc:
-            print(f"warm-up at {n} clients failed: {exc!r}\n{server.tail()}", file=sys.stderr)
-            server.wait_ready()
-        try:
-            result = asyncio.run(run_level(server, n, requests, max_tokens, extra))
-            result["memory_before"] = warm["memory"]
-            results.append(result)
-        except httpx.HTTPError as exc:
-            print(f"{n} clients failed: {exc!r}\n{server.tail()}", file=sys.stderr)
-            results.append({"clients": n, "error": repr(exc), "memory": None, **NO_RESULT})
-            server.wait_ready()
+    servers: dict[str, tuple[Server, dict[str, Any]]],
+    levels: list[int],
+    requests: int,
+    max_tokens: int,
+    rounds: int,
+) -> dict[str, list[dict[str, Any]]]:
+    """Every level on every server, interleaved: per level, each server warms up, then
+    `rounds` rounds run each server once, in turn (the first one alternating), so a
+    machine whose speed drifts (a shared CPU, clocks) slows both alike. Each row also
+    holds, against the first server, the per-round ratios of tok/s
+    (``paired_over_first``)."""
+    names = list(servers)
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for clients in levels:
+        before = {
+            name: warm_level(server, clients, extra) for name, (server, extra) in servers.items()
+        }
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for index in range(rounds):
+            order = names if index % 2 == 0 else names[::-1]
+            for name in order:
+                server, extra = servers[name]
+                runs[name].append(timed_level(server, clients, requests, max_tokens, extra))
+        first = runs[names[0]]
+        for name in names:
+            row = median_round(runs[name], before[name])
+            row["paired_over_first"] = [
+                round(mine["tokens_per_s"] / base["tokens_per_s"], 3)
+                if mine.get("tokens_per_s") and base.get("tokens_per_s")
+                else None
+                for mine, base in zip(runs[name], first, strict=True)
+            ]
+            results[name].append(row)
     return results
 
 
@@ -277,12 +330,18 @@ NO_RESULT = dict.fromkeys(
 
 
 def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per level, ours over theirs: tok/s as the median of the rounds' paired ratios
+    (each round ran both servers back to back), the latencies from the median rows."""
     keys = tuple(NO_RESULT)
     out = []
     for a, b in zip(ours, theirs, strict=True):
         row: dict[str, Any] = {"clients": a["clients"]}
         for key in keys:
             row[key] = round(a[key] / b[key], 3) if a[key] and b[key] else None
+        paired = [1 / r for r in b.get("paired_over_first") or [] if r]
+        if paired:
+            row["tokens_per_s"] = round(statistics.median(paired), 3)
+            row["tokens_per_s_rounds"] = [round(r, 3) for r in paired]
         out.append(row)
     return out
 
@@ -463,6 +522,12 @@ def main() -> int:
     parser.add_argument("--clients", default="1,2,4,8,16")
     parser.add_argument("--requests", type=int, default=3, help="per client, one after another")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timed runs per level and server, the servers in turn (median reported)",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument(
@@ -473,6 +538,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     levels = [int(n) for n in args.clients.split(",")]
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     report: dict[str, Any] = {
         "machine": benchmark_device_apart(),
         "settings": {
@@ -481,27 +548,28 @@ def main() -> int:
             "max_tokens": args.max_tokens,
             "prompt": PROMPT,
             "greedy": True,
+            "rounds": args.rounds,
         },
     }
     config = GENERIC[args.generic]
     parameters = parameter_count(random_model(config))
     with tempfile.TemporaryDirectory() as tmp:
         model = str(build_generic(Path(tmp) / args.generic, config))
-        results, greedy, backend = {}, {}, None
-        for name, factory, extra in (
-            ("mlxserve", mlxserve, {"ignore_eos": True}),
-            ("mlx_lm", mlx_lm_server, {}),
-        ):
-            server = factory(model, free_port())
-            try:
-                server.wait_ready()
-                greedy[name] = greedy_texts(server)
-                if name == "mlxserve":
-                    backend = server.backend_line()
-                results[name] = measure(server, levels, args.requests, args.max_tokens, extra)
-            finally:
+        servers: dict[str, tuple[Server, dict[str, Any]]] = {}
+        try:
+            for name, factory, extra in (
+                ("mlxserve", mlxserve, {"ignore_eos": True}),
+                ("mlx_lm", mlx_lm_server, {}),
+            ):
+                servers[name] = (factory(model, free_port()), extra)
+                servers[name][0].wait_ready()
+            greedy = {name: greedy_texts(server) for name, (server, _) in servers.items()}
+            backend = servers["mlxserve"][0].backend_line()
+            results = measure(servers, levels, args.requests, args.max_tokens, args.rounds)
+        finally:
+            for server, _ in servers.values():
                 server.stop()
-            print(f"{name}: done", file=sys.stderr)
+        print("comparison: done", file=sys.stderr)
         report["comparison"] = {
             "model": describe(config, parameters),
             "generic": args.generic,
@@ -521,11 +589,16 @@ def main() -> int:
     if not args.skip_demo:
         server = mlxserve("demo", free_port())
         try:
+            server.wait_ready()
             report["demo"] = {
                 "model": "demo (DeepSeek-V4 tiny, MTP speculative decoding)",
                 "mlxserve": measure(
-                    server, levels, args.requests, args.max_tokens, {"ignore_eos": True}
-                ),
+                    {"demo": (server, {"ignore_eos": True})},
+                    levels,
+                    args.requests,
+                    args.max_tokens,
+                    args.rounds,
+                )["demo"],
             }
         finally:
             server.stop()
