@@ -9,11 +9,12 @@ decoding.
 
 Estimates start from a prior (what earlier requests on this engine accepted; for a
 position no request reached yet, the position before it, discounted) and move to the
-request's own counts. A request decoding plainly probes depth 1 now and then, so an
-acceptance that rises is noticed. One that speculates drafts one deeper now and then,
-but only while that position's acceptance or that depth's round time is still
-unknown, and only if the estimate puts it near the chosen depth: once measured, or
-estimated far worse, exploring would only cost rounds at a depth judged worse.
+request's own counts. A request decoding plainly probes depth 1 now and then (often
+while depth 1 is estimated near break-even), so an acceptance that rises is
+noticed. One that speculates drafts one deeper now and then, but only while that
+position's acceptance or that depth's round time is still unknown, and only if the
+estimate puts it near the chosen depth: once measured, or estimated far worse,
+exploring would only cost rounds at a depth judged worse.
 Round costs start from a calibration (`round_costs.measure_round_costs`), its
 probes interleaved so they compare like with like, and on a GPU follow the round
 times the engine observes; timed by `mlxserve.hardware.clock` (CPU time on a CPU
@@ -44,6 +45,15 @@ PRIOR_ROUNDS = 16.0
 GUESS_ROUNDS = 4.0
 #: A request decoding plainly tries depth 1 after this many plain steps.
 PROBE_EVERY = 32
+#: ...or after this many, while depth 1 is estimated within PROBE_NEAR_WITHIN of plain
+#: decoding's rate. Near break-even the estimate decides on little: a calibration a few
+#: percent off, an acceptance that is still mostly the prior. And rare probes land on
+#: the same positions of a reply each time (greedy decoding repeats itself): on the demo
+#: a prompt whose first draft is kept 80% of the time probed at steps 32 and 64, was
+#: rejected there, and decoded plainly at 0.68x of depth 3. A probe costs little where
+#: it is near break-even, by definition.
+PROBE_NEAR_EVERY = 8
+PROBE_NEAR_WITHIN = 0.85
 #: A request decoding plainly reconsiders its choice every this many plain steps (a
 #: decision per step would add host work to every plain step).
 RECHECK_EVERY = 8
@@ -195,7 +205,10 @@ class DepthChooser:
         costs = self.costs()
         depth = choose_depth(acceptance, costs, batch_size, self.max_depth, current)
         if depth == 0:
-            return (1 if plain_streak >= PROBE_EVERY else 0), 0
+            plain_rate = max(batch_size, 1) / costs.round(0)
+            near = expected_tokens(acceptance, 1) / costs.round(1) >= PROBE_NEAR_WITHIN * plain_rate
+            every = PROBE_NEAR_EVERY if near else PROBE_EVERY
+            return (1 if plain_streak >= every else 0), 0
         rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
         deeper = depth + 1
         if (

@@ -7,6 +7,7 @@ from mlxserve.engine.depth import (
     EXPLORED_ROUNDS,
     MIN_OBSERVED,
     PROBE_EVERY,
+    PROBE_NEAR_EVERY,
     RECHECK_EVERY,
     UNSEEN_DISCOUNT,
     DepthChooser,
@@ -180,3 +181,21 @@ def test_a_hard_start_does_not_turn_speculation_off() -> None:
     start.record(1, 0)
     start.record(1, 0)
     assert chooser.pick(start, 0, 1)[1] >= 1
+
+
+def test_a_plain_request_near_break_even_probes_often() -> None:
+    """Depth 1 estimated just below plain decoding: probes every PROBE_NEAR_EVERY
+    plain steps (rare probes sampled the same positions of a greedy reply); far
+    below it, only every PROBE_EVERY."""
+    near = DepthChooser(max_depth=5, calibrated=CLOSE)  # round(1) = 1.5 plain steps
+    middling = SpeculativeStats()
+    for kept in (1, 0) * 20:
+        middling.record(1, kept)  # a first draft kept half the time: E(1) = 1.5
+    assert near.pick(middling, plain_streak=0, current=0) == (0, 0)
+    assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0) == (1, 0)
+    far = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    rejected = SpeculativeStats()
+    for _ in range(200):
+        rejected.record(1, 0)
+    assert far.pick(rejected, plain_streak=PROBE_NEAR_EVERY, current=0) == (0, 0)
+    assert far.pick(rejected, plain_streak=PROBE_EVERY, current=0) == (1, 0)
