@@ -70,7 +70,11 @@ _PEER_NOT_UP = re.compile(r"Couldn't connect \(error: (111|61)\)|Connection refu
 #: Joins tried while a peer is not up yet. The ranks start together, but one can lag
 #: by more than MLX's own wait: rank 0 may be a front that starts its engine only once
 #: it is up, and on a loaded machine that took longer (seen in CI). MLX's init can be
-#: called again in the same process, so a rank waits up to about 2-3 minutes.
+#: called again in the same process, so a rank waits up to about 2-3 minutes. Only the
+#: ring's last rank retries: it connects before it accepts, so a failed attempt has
+#: made no connection; any other rank has already accepted its left neighbour, which
+#: would not connect again, and a retry would wait for it forever. Not JACCL either
+#: (a failed init there may hold RDMA resources until a reboot).
 JOIN_ATTEMPTS = 6
 
 
@@ -87,10 +91,12 @@ def _distributed(settings: ClusterSettings) -> Membership:
 
 
 def _join(backend: Backend) -> Any:
-    """``mx.distributed.init``, again while a peer is not up yet (`JOIN_ATTEMPTS`)."""
+    """``mx.distributed.init``, again while a peer is not up yet (`JOIN_ATTEMPTS`,
+    where that is safe: `_may_join_again`)."""
     import mlx.core as mx
 
-    for attempt in range(1, JOIN_ATTEMPTS + 1):
+    attempts = JOIN_ATTEMPTS if _may_join_again(backend) else 1
+    for attempt in range(1, attempts + 1):
         try:
             return mx.distributed.init(strict=True, backend=backend)
         except RuntimeError as exc:
@@ -98,7 +104,7 @@ def _join(backend: Backend) -> Any:
                 # Another process took a port between the launcher's choice and our
                 # bind: a restart (new ports) helps, so this is not a settings error.
                 raise GroupPortTaken(f"cannot join the {backend} cluster: {exc}") from None
-            if not _PEER_NOT_UP.search(str(exc)) or attempt == JOIN_ATTEMPTS:
+            if not _PEER_NOT_UP.search(str(exc)) or attempt == attempts:
                 tried = f" ({attempt} attempts)" if attempt > 1 else ""
                 raise UsageError(f"cannot join the {backend} cluster{tried}: {exc}") from None
             log.warning(
@@ -106,9 +112,24 @@ def _join(backend: Backend) -> Any:
                 backend,
                 exc,
                 attempt + 1,
-                JOIN_ATTEMPTS,
+                attempts,
             )
     raise AssertionError("unreachable")
+
+
+def _may_join_again(backend: Backend) -> bool:
+    """Whether a refused join may be retried here: the ring's last rank only (see
+    `JOIN_ATTEMPTS`), its rank and the ring's size read from the launcher's
+    environment (MLX_RANK, MLX_HOSTFILE)."""
+    rank = launched_rank()
+    path = os.environ.get("MLX_HOSTFILE")
+    if backend != "ring" or rank is None or not path:
+        return False
+    try:
+        size = len(json.loads(Path(path).read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return False
+    return size > 1 and rank == size - 1
 
 
 def _self_profile(settings: ClusterSettings, rank: int) -> RankProfile:

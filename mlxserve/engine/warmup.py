@@ -62,19 +62,22 @@ def warm_up(engine: Engine, prompt: tuple[int, ...]) -> float:
     if not prompt:
         raise ValueError("the warm-up needs a prompt of at least one token")
     started = time.monotonic()
+    # A second prompt (the first one's plus one token) so the pair prefills rather
+    # than reusing the first request's prefix entry only.
+    pair = (prompt, (*prompt, prompt[-1]))
+    lone = [GenerationRequest("warm-up-0", prompt, WARM_UP_TOKENS)]
+    two = [GenerationRequest(f"warm-up-{i + 1}", p, WARM_UP_TOKENS) for i, p in enumerate(pair)]
     engine.warming_up = True
     try:
-        _run(engine, [GenerationRequest("warm-up-0", prompt, WARM_UP_TOKENS)])
-        # A second prompt (the first one's plus one token) so the pair prefills rather
-        # than reusing the first request's prefix entry only.
-        pair = (prompt, (*prompt, prompt[-1]))
-        _run(
-            engine,
-            [GenerationRequest(f"warm-up-{i + 1}", p, WARM_UP_TOKENS) for i, p in enumerate(pair)],
-        )
+        _run(engine, lone)
+        _run(engine, two)
+    except RuntimeError:
+        for request in (*lone, *two):  # one left unfinished must not run while serving
+            engine.cancel_now(request.request_id)
+        raise
     finally:
         engine.warming_up = False
-    engine.forget_warm_up()
+        engine.forget_warm_up()  # kept by none, failed or not (and so by no follower)
     return time.monotonic() - started
 
 

@@ -56,6 +56,29 @@ def test_warm_up_leaves_calibration_and_no_other_trace() -> None:
     assert finish.usage.cached_tokens == 0
 
 
+def test_a_failed_warm_up_leaves_nothing_to_serve_or_remember() -> None:
+    """A step fails during the pair: the error is raised for the caller to log, and
+    no warm-up request stays scheduled, nor any prefix entry or step time."""
+    from mlxserve.models import load
+
+    model, tokenizer = load("demo")
+    materialize(model)
+    engine = Engine(adapter_for(model, 0), EngineConfig(speculative_depth=0))
+    steps: list[str] = []
+
+    def fail_in_the_pair(plan: object) -> None:
+        steps.append("step")
+        if len(steps) == 30:  # the lone request takes 24 tokens: this is the pair's
+            raise MemoryError("injected")
+
+    engine.before_step = fail_in_the_pair
+    with pytest.raises(RuntimeError, match="warm-up"):
+        warm_up(engine, tuple(tokenizer.encode("Warm up: say hello.")))
+    assert engine.scheduler.idle and not engine.warming_up
+    assert engine.prefix_cache is not None and len(engine.prefix_cache) == 0
+    assert engine.step_times.expected_s(None) == 0.0
+
+
 def test_warm_up_refuses_an_empty_prompt() -> None:
     with pytest.raises(ValueError, match="at least one token"):
         warm_up(None, ())  # type: ignore[arg-type]
