@@ -144,6 +144,20 @@ def test_a_split_the_model_cannot_take_is_one_line(tmp_path: Path) -> None:
     assert len(run.stderr.strip().splitlines()) == 1
 
 
+def test_an_uneven_split_of_another_model_type_is_one_line(tmp_path: Path) -> None:
+    """Only DeepSeek-V4 takes uneven shares: `serve` refuses before anything starts."""
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3_moe"}')
+    path = tmp_path / "split.toml"
+    simulate = '["Apple M3 Ultra", "Apple M5 Max"]'
+    path.write_text(f'model = "{model}"\n[cluster]\nsimulate = {simulate}\nsplit = [3, 1]\n')
+    run = mlxserve("serve", "--config", str(path))
+    assert run.returncode == 2
+    assert "an uneven split needs a DeepSeek-V4 model" in run.stderr and "'qwen3_moe'" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
 def test_refused_plan_is_explained_not_started() -> None:
     run = mlxserve(
         "policy",

@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,22 @@ def _rank_0s(group: Any, settings: Settings) -> list[IncidentRecord]:
     return [IncidentRecord.model_validate(item) for item in received]
 
 
+def _uneven_split_unsupported(model: str, split: Sequence[int] | None) -> str | None:
+    """Why an uneven ``split`` cannot serve a local checkpoint that says it is not a
+    DeepSeek-V4 (only its sharding takes uneven shares), or None. A model known only
+    by name is checked when it loads."""
+    if split is None or len(set(split)) <= 1:
+        return None
+    try:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+        model_type = config.get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if model_type in (None, "deepseek_v4"):
+        return None
+    return f"an uneven split needs a DeepSeek-V4 model; {model} is {model_type!r}"
+
+
 def check_plan(settings: Settings) -> None:
     """Raise `UsageError` for settings an engine would refuse, before the front listens.
 
@@ -76,6 +93,9 @@ def check_plan(settings: Settings) -> None:
     overrides = collect_overrides(settings.policy.nax_moe, settings.policy.overrides)
     incidents = IncidentStore(state_dir(settings.server)).load()
     split = settings.cluster.split
+    unsupported = _uneven_split_unsupported(settings.model, split)
+    if unsupported is not None:
+        raise UsageError(f"cluster.split {split}: {unsupported}")
     shape = _model_shape(settings)
     group = settings.cluster.hosts  # a group the front starts: planned once it has joined
     if settings.cluster.simulate or ("MLX_RANK" not in os.environ and not group):
