@@ -120,14 +120,9 @@ def _join(backend: Backend) -> Any:
 def _may_join_again(backend: Backend) -> bool:
     """Whether a refused join may be retried here: the ring's last rank only (see
     `JOIN_ATTEMPTS`), its rank and the ring's size read from the launcher's
-    environment (MLX_RANK, MLX_HOSTFILE)."""
-    rank = launched_rank()
-    path = os.environ.get("MLX_HOSTFILE")
-    if backend != "ring" or rank is None or not path:
-        return False
-    try:
-        size = len(json.loads(Path(path).read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):
+    environment (`launched_rank`, `launched_world_size`)."""
+    rank, size = launched_rank(), launched_world_size()
+    if backend != "ring" or rank is None or size is None:
         return False
     return size > 1 and rank == size - 1
 
@@ -158,13 +153,32 @@ def launched_rank() -> int | None:
     return int(text) if text and text.isdigit() else None
 
 
-def _hostfile_wires(rank: int) -> int:
-    """Links per rank in a ring hostfile (a JSON list of address lists), else 1."""
+def launched_world_size() -> int | None:
+    """The launcher's world size: MLX_WORLD_SIZE, else the ring hostfile's length."""
+    text = os.environ.get("MLX_WORLD_SIZE", "")
+    if text.isdigit():
+        return int(text)
+    hosts = _ring_hosts()
+    return None if hosts is None else len(hosts)
+
+
+def _ring_hosts() -> list[Any] | None:
+    """The launcher's ring hostfile (MLX_HOSTFILE: a JSON list, one address list per
+    rank), or None where there is none or it cannot be read."""
     path = os.environ.get("MLX_HOSTFILE")
     if not path:
-        return 1
+        return None
     try:
         hosts = json.loads(Path(path).read_text(encoding="utf-8"))
-        return max(1, len(hosts[rank]))
-    except (OSError, ValueError, IndexError, TypeError):
+    except (OSError, ValueError):
+        return None
+    return hosts if isinstance(hosts, list) else None
+
+
+def _hostfile_wires(rank: int) -> int:
+    """Links per rank in a ring hostfile (a JSON list of address lists), else 1."""
+    hosts = _ring_hosts()
+    try:
+        return max(1, len(hosts[rank])) if hosts is not None else 1
+    except (IndexError, TypeError):
         return 1

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mlxserve.cluster.discover import Membership, discover
+from mlxserve.cluster.discover import Membership, discover, launched_world_size
 from mlxserve.cluster.exchange import check_same_plan, gather_verdicts
 from mlxserve.config import Settings, state_dir
 from mlxserve.errors import UsageError
@@ -115,18 +115,3 @@ def check_plan(settings: Settings) -> None:
             raise UsageError(
                 f"{override.source}: rank {override.rank} does not exist (world size {world})"
             )
-
-
-def launched_world_size() -> int | None:
-    """The launcher's world size: MLX_WORLD_SIZE, else the ring hostfile's length."""
-    text = os.environ.get("MLX_WORLD_SIZE", "")
-    if text.isdigit():
-        return int(text)
-    path = os.environ.get("MLX_HOSTFILE")
-    if not path:
-        return None
-    try:
-        hosts = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return len(hosts) if isinstance(hosts, list) else None
