@@ -57,6 +57,21 @@ def decode_rate(engine: Engine, prompt: tuple[int, ...], n: int, repeats: int) -
     return statistics.median(rates), finish
 
 
+def chooser_costs(engine: Engine) -> dict[str, Any] | None:
+    """What the automatic depth weighed, in plain steps: the calibration's round per
+    depth, and the median of the rounds it observed (where it follows them)."""
+    chooser = engine.chooser
+    if chooser is None:
+        return None
+    plain = chooser.calibrated.plain
+    return {
+        "calibrated_plain_ms": plain * 1e3,
+        "calibrated": {k: chooser.calibrated.round(k) / plain for k in range(1, 6)},
+        "observed": {k: t / plain for k, t in sorted(chooser.observed.items())},
+        "follow_observed": chooser.follow_observed,
+    }
+
+
 def mlx_lm_rate(model: Any, tokenizer: Any, prompt: list[int], n: int, repeats: int) -> float:
     from mlx_lm.generate import stream_generate
 
@@ -124,11 +139,13 @@ def main() -> None:
         depths: dict[str, Any] = {
             name: {
                 "decode_tok_s": statistics.median(rates[name]),
+                "decode_tok_s_per_repeat": rates[name],
                 "speculative": finishes[name].speculative,
                 "speedup_vs_depth0": statistics.median(ratios[name]),
             }
             for name in engines
         }
+        depths["auto"]["costs_in_plain_steps"] = chooser_costs(engines["auto"])
         fixed = [depths[str(d)]["speedup_vs_depth0"] for d in DEPTHS if d != "auto"]
         auto = depths["auto"]["speedup_vs_depth0"]
         prompts.append(

@@ -16,7 +16,13 @@ their token is replaced). Per (a, k) it reports
   E(k) = 1 + a + ... + a^k;
 - measured / bound (target >= 0.9);
 - with the costs, a whole round as the engine runs it over its parts
-  (`round_over_parts`): what a round spends beyond its forwards.
+  (`round_over_parts`): what a round spends beyond its forwards;
+- `host_and_device`: a plain step pipelined (as served: the next step's graph is
+  built and queued while the device runs this one), synced (built, run, read back
+  before the next), and the host's share of it (building the graph, queuing it).
+  Pipelined ~ synced means the device is idle while the host works: a round, which
+  must read its drafts' fate before building the next, then costs host + device
+  where a plain step costs only the larger of the two.
 
 Run: python benchmarks/mtp_cost.py [--layers 43] [--tokens 96] [--repeats 3]
                                    [--acceptance 0.5,0.7,0.85] [--depths 1,2,3,4,5]
@@ -39,7 +45,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxserve.engine.adapter import PlainAdapter
 from mlxserve.engine.drive import run_to_completion
 from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.engine.mtp_adapter import MTPAdapter, trim_steps
 from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.engine.round_costs import measure_round_costs
 from mlxserve.hardware.probe import benchmark_device
@@ -184,6 +190,47 @@ def paired_speedup(
     return statistics.median(ratios), statistics.median(rates), outputs, finish
 
 
+def host_and_device(adapter: MTPAdapter, context: int, steps: int = 8) -> dict[str, float]:
+    """Milliseconds of a plain step pipelined, synced, and of its host work alone
+    (wall clock: the split is what a wall clock shows)."""
+    model = adapter.model
+    vocab = int(model.args.vocab_size)
+    state = adapter.new_state(max_rollback=steps + 1)
+    adapter.prefill(state, [(7 * i + 3) % vocab for i in range(context)])
+    token = mx.array([1], mx.int32)
+    adapter.step(state, token)
+    mx.eval(state.carry, [c.state for c in state.cache])
+
+    def run(mode: str) -> float:
+        host = 0.0
+        start = time.perf_counter()
+        current = token
+        for _ in range(steps):
+            began = time.perf_counter()
+            current = mx.argmax(adapter.step(state, current)).reshape(1)
+            if mode == "pipelined":
+                mx.async_eval(current)  # type: ignore[no-untyped-call]
+            elif mode == "host":
+                mx.async_eval(current)  # type: ignore[no-untyped-call]
+                host += time.perf_counter() - began
+                mx.eval(current)
+            else:
+                mx.eval(current)
+        mx.eval(current, [c.state for c in state.cache])
+        elapsed = time.perf_counter() - start
+        trim_steps(state, steps)
+        return (host if mode == "host" else elapsed) / steps * 1e3
+
+    modes = ("pipelined", "synced", "host")
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for trial in range(4):
+        for mode in modes:
+            ms = run(mode)
+            if trial:
+                times[mode].append(ms)
+    return {f"plain_{mode}_ms": statistics.median(times[mode]) for mode in modes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=43)
@@ -253,10 +300,13 @@ def main() -> None:
             "round": {str(k): v / step for k, v in costs.rounds.items()},
             "round_over_parts": {str(k): v / costs.parts(k) for k, v in costs.rounds.items()},
         },
+        "host_and_device": host_and_device(MTPAdapter(model), args.prompt + args.tokens // 2),
         "depth0_tok_s": rate0,
         "runs": [],
     }
-    header = {k: result[k] for k in ("device", "costs_in_plain_steps", "depth0_tok_s")}
+    header = {
+        k: result[k] for k in ("device", "costs_in_plain_steps", "host_and_device", "depth0_tok_s")
+    }
     print(json.dumps(header), file=sys.stderr, flush=True)
     for acceptance in args.acceptance:
         best = 0.0

@@ -205,6 +205,8 @@ class DepthChooser:
         costs = self.costs()
         depth = choose_depth(acceptance, costs, batch_size, self.max_depth, current)
         if depth == 0:
+            if self._probe_goes_on(stats, plain_streak, current):
+                return 1, 0
             plain_rate = max(batch_size, 1) / costs.round(0)
             near = expected_tokens(acceptance, 1) / costs.round(1) >= PROBE_NEAR_WITHIN * plain_rate
             every = PROBE_NEAR_EVERY if near else PROBE_EVERY
@@ -219,6 +221,19 @@ class DepthChooser:
         ):
             return deeper, depth
         return depth, depth
+
+    def _probe_goes_on(
+        self, stats: SpeculativeStats, plain_streak: int, current: int | None
+    ) -> bool:
+        """Whether a request that just probed depth 1 from plain decoding drafts once
+        more: while depth 1's round time is not yet observed (`follow_observed`). A probe
+        round is never timed (it also folds the plain steps' MTP entries in), so without
+        this a request that decodes plainly never measures depth 1: the calibration
+        alone keeps it plain, and on the H200 it priced a depth-1 round 14 % dearer than
+        the engine's rounds cost (the demo's first draft kept 85 % of the time, decoded
+        plainly at 0.85x of depth 0 and 0.73x of depth 2)."""
+        probed = plain_streak == 0 and any(n for k, n in stats.steps_at_depth.items() if k > 0)
+        return current == 0 and probed and self.follow_observed and 1 not in self.observed
 
     @staticmethod
     def _promising(acceptance: Sequence[float], costs: RoundCosts, depth: int, other: int) -> bool:

@@ -188,6 +188,9 @@ def test_a_plain_request_near_break_even_probes_often() -> None:
     plain steps (rare probes sampled the same positions of a greedy reply); far
     below it, only every PROBE_EVERY."""
     near = DepthChooser(max_depth=5, calibrated=CLOSE)  # round(1) = 1.5 plain steps
+    for _ in range(1 + MIN_OBSERVED):  # depth 1 timed: a probe is one round
+        near.observe(0, 1.0)
+        near.observe(1, 1.5)
     middling = SpeculativeStats()
     for kept in (1, 0) * 20:
         middling.record(1, kept)  # a first draft kept half the time: E(1) = 1.5
@@ -199,3 +202,27 @@ def test_a_plain_request_near_break_even_probes_often() -> None:
         rejected.record(1, 0)
     assert far.pick(rejected, plain_streak=PROBE_NEAR_EVERY, current=0) == (0, 0)
     assert far.pick(rejected, plain_streak=PROBE_EVERY, current=0) == (1, 0)
+
+
+def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
+    """The round a probe runs is never timed (it folds the plain steps in): the probe
+    drafts on until depth 1's round time is observed, so observed times can overrule
+    a calibration that priced depth 1 out; once observed, a probe is one round."""
+    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
+    middling = SpeculativeStats()
+    for kept in (1, 0) * 20:
+        middling.record(1, kept)
+    assert chooser.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0) == (1, 0)
+    assert chooser.pick(middling, plain_streak=0, current=0) == (1, 0)  # just probed
+    unpromising = DepthChooser(max_depth=5, calibrated=CLOSE)
+    for _ in range(40):
+        unpromising.record(1, 0)  # earlier requests' first drafts all rejected
+    # A request that has not probed yet (no rounds) does not start with one.
+    assert unpromising.pick(SpeculativeStats(), plain_streak=0, current=0) == (0, 0)
+    for _ in range(1 + MIN_OBSERVED):
+        chooser.observe(0, 1.0)
+        chooser.observe(1, 0.9)  # cheaper than calibrated: depth 1 now pays
+    assert chooser.pick(middling, plain_streak=0, current=0) == (1, 1)
+    # Without following observed times (a CPU), a probe stays one round.
+    cpu = DepthChooser(max_depth=5, calibrated=CLOSE, follow_observed=False)
+    assert cpu.pick(middling, plain_streak=0, current=0) == (0, 0)
