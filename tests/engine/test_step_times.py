@@ -1,5 +1,11 @@
 """What a step like the one in flight usually takes: p99 per kind, prefill per token."""
 
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
 from mlxserve.engine.step_plan import StepPlan
 from mlxserve.engine.step_times import StepTimes
 
@@ -50,3 +56,40 @@ def test_step_floor_by_device() -> None:
 
     assert step_floor_s("cuda") > 0
     assert step_floor_s("cpu") == step_floor_s("metal") == 0.0
+
+
+def test_the_depth_calibration_is_not_a_speculative_step_s_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The calibration runs once, inside the first speculative step, and counts as
+    progress as it goes: its time (here made 100 s on the engine's clock) must not
+    become what a speculative step usually takes. It did: the front's hang limit,
+    20 x p99, was then about 20 s on a CPU instead of the 3 s floor, for the
+    engine's first 100 speculative steps (a frozen engine kept its streams 20 s)."""
+    from mlxserve.engine import engine as engine_module
+    from mlxserve.engine.build import adapter_for, materialize
+    from mlxserve.engine.engine import Engine, EngineConfig
+    from mlxserve.engine.request import GenerationRequest
+    from mlxserve.models import load
+    from tests.engine.drive import run
+
+    model, tokenizer = load("demo")
+    materialize(model)
+    adapter = adapter_for(model, "auto")
+    skipped = [0.0]  # seconds the engine's clock jumped while calibrating
+    measure = adapter.measure_costs
+
+    def slow_measure(**kwargs: Any) -> Any:
+        skipped[0] += 100.0
+        return measure(**kwargs)
+
+    monkeypatch.setattr(adapter, "measure_costs", slow_measure)
+    clock = SimpleNamespace(monotonic=lambda: time.monotonic() + skipped[0], sleep=time.sleep)
+    monkeypatch.setattr(engine_module, "time", clock)
+    engine = Engine(adapter, EngineConfig(speculative_depth="auto"))
+    prompt = tuple(tokenizer.encode("Python reference: for"))
+    run(engine, GenerationRequest("a", prompt, 24))
+    assert engine.chooser is not None and skipped == [100.0]  # calibrated, once
+    p99 = engine.step_times.p99("speculate")
+    assert p99 is not None and p99 < 50.0, p99
+    assert engine.step_times.expected_s(None) < 50.0
