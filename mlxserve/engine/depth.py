@@ -74,6 +74,9 @@ SWITCH_MARGIN = 0.05
 OBSERVED_WINDOW = 9
 #: Observations a depth needs before its median replaces the calibrated estimate.
 MIN_OBSERVED = 3
+#: Depth-1 rounds of one request after which a probe no longer drafts on to get depth
+#: 1 timed: the untimed first round, the first timed one (dropped) and MIN_OBSERVED.
+PROBE_ROUNDS = 2 + MIN_OBSERVED
 
 
 def expected_tokens(acceptance: Sequence[float], depth: int) -> float:
@@ -233,7 +236,10 @@ class DepthChooser:
         the engine's rounds cost (the demo's first draft kept 85 % of the time, decoded
         plainly at 0.85x of depth 0 and 0.73x of depth 2)."""
         probed = plain_streak == 0 and any(n for k, n in stats.steps_at_depth.items() if k > 0)
-        return current == 0 and probed and self.follow_observed and 1 not in self.observed
+        # At most PROBE_ROUNDS of a request's rounds: some are never timed (a grammar's,
+        # a batch's), and those must not keep a request drafting on.
+        few = stats.steps_at_depth.get(1, 0) < PROBE_ROUNDS
+        return current == 0 and probed and few and self.follow_observed and 1 not in self.observed
 
     @staticmethod
     def _promising(acceptance: Sequence[float], costs: RoundCosts, depth: int, other: int) -> bool:

@@ -8,6 +8,7 @@ from mlxserve.engine.depth import (
     MIN_OBSERVED,
     PROBE_EVERY,
     PROBE_NEAR_EVERY,
+    PROBE_ROUNDS,
     RECHECK_EVERY,
     UNSEEN_DISCOUNT,
     DepthChooser,
@@ -209,9 +210,10 @@ def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
     drafts on until depth 1's round time is observed, so observed times can overrule
     a calibration that priced depth 1 out; once observed, a probe is one round."""
     chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
-    middling = SpeculativeStats()
     for kept in (1, 0) * 20:
-        middling.record(1, kept)
+        chooser.record(1, kept)  # earlier requests: a first draft kept half the time
+    middling = SpeculativeStats()
+    middling.record(1, 1)  # this request's one probe round
     assert chooser.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0) == (1, 0)
     assert chooser.pick(middling, plain_streak=0, current=0) == (1, 0)  # just probed
     unpromising = DepthChooser(max_depth=5, calibrated=CLOSE)
@@ -223,6 +225,16 @@ def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
         chooser.observe(0, 1.0)
         chooser.observe(1, 0.9)  # cheaper than calibrated: depth 1 now pays
     assert chooser.pick(middling, plain_streak=0, current=0) == (1, 1)
+    # A request whose rounds are never timed (a grammar's) stops after PROBE_ROUNDS.
+    untimed = DepthChooser(max_depth=5, calibrated=CLOSE)
+    long_probe = SpeculativeStats()
+    for _ in range(PROBE_ROUNDS):
+        long_probe.record(1, 1)
+    for _ in range(40):
+        untimed.record(1, 0)
+    assert untimed.pick(long_probe, plain_streak=0, current=0) == (0, 0)
     # Without following observed times (a CPU), a probe stays one round.
     cpu = DepthChooser(max_depth=5, calibrated=CLOSE, follow_observed=False)
+    for kept in (1, 0) * 20:
+        cpu.record(1, kept)
     assert cpu.pick(middling, plain_streak=0, current=0) == (0, 0)
