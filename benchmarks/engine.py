@@ -58,15 +58,17 @@ def decode_rate(engine: Engine, prompt: tuple[int, ...], n: int, repeats: int) -
 
 
 def chooser_costs(engine: Engine) -> dict[str, Any] | None:
-    """What the automatic depth weighed, in plain steps: the calibration's round per
-    depth, and the median of the rounds it observed (where it follows them)."""
+    """What the automatic depth weighed, in the calibration's plain steps: its round
+    per depth, and the median of the rounds it observed (where it follows them)."""
     chooser = engine.chooser
     if chooser is None:
         return None
     plain = chooser.calibrated.plain
     return {
         "calibrated_plain_ms": plain * 1e3,
-        "calibrated": {k: chooser.calibrated.round(k) / plain for k in range(1, 6)},
+        "calibrated": {
+            k: chooser.calibrated.round(k) / plain for k in range(1, chooser.max_depth + 1)
+        },
         "observed": {k: t / plain for k, t in sorted(chooser.observed.items())},
         "follow_observed": chooser.follow_observed,
     }

@@ -47,7 +47,7 @@ from mlxserve.engine.drive import run_to_completion
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter, trim_steps
 from mlxserve.engine.request import GenerationRequest, SamplingParams
-from mlxserve.engine.round_costs import measure_round_costs
+from mlxserve.engine.round_costs import measure_round_costs, throwaway_state
 from mlxserve.hardware.probe import benchmark_device
 
 ACCEPTANCES = (0.5, 0.7, 0.85)
@@ -193,13 +193,7 @@ def paired_speedup(
 def host_and_device(adapter: MTPAdapter, context: int, steps: int = 8) -> dict[str, float]:
     """Milliseconds of a plain step pipelined, synced, and of its host work alone
     (wall clock: the split is what a wall clock shows)."""
-    model = adapter.model
-    vocab = int(model.args.vocab_size)
-    state = adapter.new_state(max_rollback=steps + 1)
-    adapter.prefill(state, [(7 * i + 3) % vocab for i in range(context)])
-    token = mx.array([1], mx.int32)
-    adapter.step(state, token)
-    mx.eval(state.carry, [c.state for c in state.cache])
+    state, token = throwaway_state(adapter, context, max_rollback=steps + 1)
 
     def run(mode: str) -> float:
         host = 0.0

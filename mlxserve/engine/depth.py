@@ -232,9 +232,8 @@ class DepthChooser:
         more: while depth 1's round time is not yet observed (`follow_observed`). A probe
         round is never timed (it also folds the plain steps' MTP entries in), so without
         this a request that decodes plainly never measures depth 1: the calibration
-        alone keeps it plain, and on the H200 it priced a depth-1 round 14 % dearer than
-        the engine's rounds cost (the demo's first draft kept 85 % of the time, decoded
-        plainly at 0.85x of depth 0 and 0.73x of depth 2)."""
+        alone keeps it plain (on the H200 a demo prompt whose first draft was kept 85 %
+        of the time decoded plainly at 0.85x of depth 0 and 0.73x of depth 2)."""
         probed = plain_streak == 0 and any(n for k, n in stats.steps_at_depth.items() if k > 0)
         # At most PROBE_ROUNDS of a request's rounds: some are never timed (a grammar's,
         # a batch's), and those must not keep a request drafting on.

@@ -374,8 +374,10 @@ class Engine:
                 self.before_step(plan)
             if self.chooser is None and plan.kind == "speculate" and any(s.auto for s in sequences):
                 began = time.monotonic()
-                self.chooser = self._calibrate()
-                calibration_s = time.monotonic() - began
+                try:
+                    self.chooser = self._calibrate()
+                finally:  # a calibration that fails is not a step's time either
+                    calibration_s = time.monotonic() - began
             emitted = self.runner.run(plan, sequences)
         except Exception as exc:  # a failed step fails its requests, not the engine
             log.exception("step %d (%s) failed", plan.index, plan.kind)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly, trim_steps
+from mlxserve.engine.mtp_adapter import MTPAdapter, MTPState, trim_exactly, trim_steps
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream
 
@@ -41,6 +41,20 @@ class RoundCosts:
         return self.verify.get(depth, self.plain) + depth * self.draft
 
 
+def throwaway_state(
+    adapter: MTPAdapter, context: int, max_rollback: int
+) -> tuple[MTPState, mx.array]:
+    """A state of `context` made-up tokens plus one plain step, evaluated, and the
+    token it fed (what a probe feeds next): the ground probes stand on."""
+    vocab = int(adapter.model.args.vocab_size)
+    state = adapter.new_state(max_rollback=max_rollback)
+    adapter.prefill(state, [(7 * i + 3) % vocab for i in range(context)])
+    token = mx.array([1], mx.int32)
+    adapter.step(state, token)
+    mx.eval(state.carry, [c.state for c in state.cache])
+    return state, token
+
+
 def measure_round_costs(
     adapter: MTPAdapter,
     trials: int = 5,
@@ -67,11 +81,7 @@ def measure_round_costs(
     model = adapter.model
     depth = adapter.max_draft_depth
     vocab = int(model.args.vocab_size)
-    state = adapter.new_state(max_rollback=max(steps, depth) + 1)
-    adapter.prefill(state, [(7 * i + 3) % vocab for i in range(context)])
-    token = mx.array([1], mx.int32)
-    adapter.step(state, token)
-    mx.eval(state.carry, [c.state for c in state.cache])
+    state, token = throwaway_state(adapter, context, max_rollback=max(steps, depth) + 1)
     # Distinct tokens: identical ones would all route to the same experts.
     varied = mx.array([(31 * i + 11) % vocab for i in range(depth + 1)], mx.int32)
 

@@ -58,20 +58,13 @@ def test_step_floor_by_device() -> None:
     assert step_floor_s("cpu") == step_floor_s("metal") == 0.0
 
 
-def test_the_depth_calibration_is_not_a_speculative_step_s_time(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The calibration runs once, inside the first speculative step, and counts as
-    progress as it goes: its time (here made 100 s on the engine's clock) must not
-    become what a speculative step usually takes. It did: the front's hang limit,
-    20 x p99, was then about 20 s on a CPU instead of the 3 s floor, for the
-    engine's first 100 speculative steps (a frozen engine kept its streams 20 s)."""
+def _engine_whose_calibration_takes_100_s(monkeypatch: pytest.MonkeyPatch, fails: bool) -> Any:
+    """The demo engine, automatic depth, its clock jumping 100 s while it calibrates
+    (and the calibration raising, with `fails`); (engine, prompt, jumps)."""
     from mlxserve.engine import engine as engine_module
     from mlxserve.engine.build import adapter_for, materialize
     from mlxserve.engine.engine import Engine, EngineConfig
-    from mlxserve.engine.request import GenerationRequest
     from mlxserve.models import load
-    from tests.engine.drive import run
 
     model, tokenizer = load("demo")
     materialize(model)
@@ -81,15 +74,46 @@ def test_the_depth_calibration_is_not_a_speculative_step_s_time(
 
     def slow_measure(**kwargs: Any) -> Any:
         skipped[0] += 100.0
+        if fails:
+            raise RuntimeError("calibration failed")
         return measure(**kwargs)
 
     monkeypatch.setattr(adapter, "measure_costs", slow_measure)
     clock = SimpleNamespace(monotonic=lambda: time.monotonic() + skipped[0], sleep=time.sleep)
     monkeypatch.setattr(engine_module, "time", clock)
     engine = Engine(adapter, EngineConfig(speculative_depth="auto"))
-    prompt = tuple(tokenizer.encode("Python reference: for"))
+    return engine, tuple(tokenizer.encode("Python reference: for")), skipped
+
+
+def test_the_depth_calibration_is_not_a_speculative_step_s_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The calibration runs once, inside the first speculative step, and counts as
+    progress as it goes: its time (here made 100 s on the engine's clock) must not
+    become what a speculative step usually takes. It did: the front's hang limit,
+    20 x p99, was then about 20 s on a CPU instead of the 3 s floor, for the
+    engine's first 100 speculative steps (a frozen engine kept its streams 20 s)."""
+    from mlxserve.engine.request import GenerationRequest
+    from tests.engine.drive import run
+
+    engine, prompt, skipped = _engine_whose_calibration_takes_100_s(monkeypatch, fails=False)
     run(engine, GenerationRequest("a", prompt, 24))
     assert engine.chooser is not None and skipped == [100.0]  # calibrated, once
     p99 = engine.step_times.p99("speculate")
     assert p99 is not None and p99 < 50.0, p99
     assert engine.step_times.expected_s(None) < 50.0
+
+
+def test_a_failed_calibration_is_not_a_speculative_step_s_time_either(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A calibration that raises fails its step's requests; its 100 s are not that
+    step's time."""
+    from mlxserve.engine.request import GenerationRequest
+    from tests.engine.drive import run
+
+    engine, prompt, skipped = _engine_whose_calibration_takes_100_s(monkeypatch, fails=True)
+    run(engine, GenerationRequest("a", prompt, 24))
+    assert engine.chooser is None and skipped == [100.0]
+    p99 = engine.step_times.p99("speculate")
+    assert p99 is not None and p99 < 50.0, p99
