@@ -52,6 +52,7 @@ from mlxserve.engine.build import (
 from mlxserve.engine.drive import drain
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.models.deepseek_v4.cache import RowCaches
 
@@ -226,6 +227,7 @@ def main() -> None:
         "shared with other work)",
     )
     args = parser.parse_args()
+    configure_cuda_graphs()  # as the CLI does, before any device work
     CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     batches = [int(b) for b in args.batches.split(",")]
 

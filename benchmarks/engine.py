@@ -19,6 +19,7 @@ from typing import Any
 from mlxserve.engine.drive import run_to_completion
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.request import FinishEvent, GenerationRequest
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
 PROMPTS = (
@@ -100,6 +101,7 @@ def main() -> None:
         "device shared with other work)",
     )
     args = parser.parse_args()
+    configure_cuda_graphs()  # as the CLI does, before any device work
     CLOCK[0] = args.clock
 
     from mlxserve.commands.generate import encode_prompt

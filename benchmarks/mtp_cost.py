@@ -48,6 +48,7 @@ from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter, trim_steps
 from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.engine.round_costs import measure_round_costs, throwaway_state
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
 ACCEPTANCES = (0.5, 0.7, 0.85)
@@ -249,6 +250,7 @@ def main() -> None:
         "device shared with other work; the costs are then CPU time too)",
     )
     args = parser.parse_args()
+    configure_cuda_graphs()  # as the CLI does, before any device work
     CLOCK[0] = args.clock
     try:
         args.acceptance = [float(a) for a in ",".join(args.acceptance).split(",") if a]

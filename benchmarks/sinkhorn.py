@@ -33,6 +33,7 @@ from mlx_lm.models.deepseek_v41 import _sinkhorn as loop_sinkhorn
 import mlxserve.models.deepseek_v4.hyper_connections as hyper_connections
 from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.round_costs import measure_round_costs
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.kernels.sinkhorn import fast_path_agrees, on_cpu, on_cuda, sinkhorn
 
@@ -131,6 +132,7 @@ def main() -> None:
         help="wall clock, or this process's CPU time (a CPU shared with other work)",
     )
     args = parser.parse_args()
+    configure_cuda_graphs()  # as the CLI does, before any device work
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     from mlxserve.models.demo import load_demo
 

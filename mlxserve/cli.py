@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from mlxserve.errors import UsageError
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 
 EXIT_USAGE = 2
 
@@ -331,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(_with_default_command(sys.argv[1:] if argv is None else argv))
     handler: Callable[[argparse.Namespace], int] = args.handler
+    configure_cuda_graphs()  # before any device work; engine processes inherit it
     try:
         return handler(args)
     except UsageError as exc:

@@ -45,6 +45,7 @@ from mlxserve.engine.build import LoadedModel
 from mlxserve.engine.engine import Engine
 from mlxserve.engine.process_front import POLL_S, FrontDesk, FrontLink
 from mlxserve.errors import UsageError
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 
 log = logging.getLogger("mlxserve.engine.process")
 
@@ -124,6 +125,7 @@ SWITCH_INTERVAL_S: Final = 0.0005
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    configure_cuda_graphs()  # before any device work (also when started on its own)
     signals = _Signals()
     signals.install()
     try:

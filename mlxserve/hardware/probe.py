@@ -141,6 +141,8 @@ def benchmark_device() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        # MLX's own settings (the CUDA graph cache among them): they move the figures
+        "mlx_env": {k: v for k, v in os.environ.items() if k.startswith("MLX_")},
     }
 
 

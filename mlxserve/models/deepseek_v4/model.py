@@ -101,12 +101,16 @@ class TextModel(Module):
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
 
-    def streams(self, inputs: mx.array, cache: Sequence[AnyCache]) -> mx.array:
+    def streams(
+        self, inputs: mx.array, cache: Sequence[AnyCache], queue_every: int = 0
+    ) -> mx.array:
         h = self.embed_tokens(inputs)
         batch, length, dim = h.shape
         streams = mx.broadcast_to(h[:, :, None, :], (batch, length, self.hc_mult, dim))
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
             streams = layer(streams, inputs, layer_cache)
+            if queue_every and (i + 1) % queue_every == 0 and i + 1 < len(self.layers):
+                mx.async_eval(streams)  # type: ignore[no-untyped-call]
         return streams
 
 
@@ -125,13 +129,23 @@ class Model(Module):
     def __call__(self, inputs: mx.array, cache: Sequence[AnyCache] | None = None) -> mx.array:
         return self.head_from_streams(self.forward_hidden(inputs, cache))
 
-    def forward_hidden(self, inputs: mx.array, cache: Sequence[AnyCache] | None = None) -> mx.array:
+    def forward_hidden(
+        self,
+        inputs: mx.array,
+        cache: Sequence[AnyCache] | None = None,
+        queue_every: int = 0,
+    ) -> mx.array:
         """Residual streams [B, S, hc_mult, D] after the last layer, before ``hc_head``.
 
         Without ``cache`` a throw-away one is used, so the result is the same as a
-        prefill from scratch.
+        prefill from scratch. ``queue_every`` > 0 queues the streams for the device
+        after every that many layers (``mx.async_eval``), so the device computes the
+        first layers while the host still builds the graph of the later ones: for a
+        forward whose result is waited for at once (a speculative verify), where
+        nothing else overlaps its graph building. The result is the same.
         """
-        return self.model.streams(inputs, cache if cache is not None else self.make_cache())
+        cache = cache if cache is not None else self.make_cache()
+        return self.model.streams(inputs, cache, queue_every)
 
     def head_from_streams(self, streams: mx.array) -> mx.array:
         """Logits from residual streams: ``hc_head``, final norm, ``lm_head``."""
