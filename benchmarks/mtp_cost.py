@@ -26,6 +26,7 @@ their token is replaced). Per (a, k) it reports
 
 Run: python benchmarks/mtp_cost.py [--layers 43] [--tokens 96] [--repeats 3]
                                    [--acceptance 0.5,0.7,0.85] [--depths 1,2,3,4,5]
+                                   [--queue-every 4] [--hc-ops]
 CPU, short: python benchmarks/mtp_cost.py --layers 8 --tokens 48 --repeats 1
 """
 
@@ -42,6 +43,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlxserve.engine import mtp_adapter
 from mlxserve.engine.adapter import PlainAdapter
 from mlxserve.engine.drive import run_to_completion
 from mlxserve.engine.engine import Engine, EngineConfig
@@ -50,6 +52,7 @@ from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.engine.round_costs import measure_round_costs, throwaway_state
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
+from mlxserve.models.deepseek_v4 import hyper_connections
 
 ACCEPTANCES = (0.5, 0.7, 0.85)
 DEPTHS = (1, 2, 3, 4, 5)
@@ -249,7 +252,20 @@ def main() -> None:
         help="time decoding by the wall clock, or by this process's CPU time (a CPU "
         "device shared with other work; the costs are then CPU time too)",
     )
+    parser.add_argument(
+        "--queue-every",
+        type=int,
+        default=mtp_adapter.QUEUE_EVERY_LAYERS,
+        help="queue a verify for the device every this many layers (0: not at all)",
+    )
+    parser.add_argument(
+        "--hc-ops",
+        action="store_true",
+        help="run the hyper-connections as ops, not compiled (to compare)",
+    )
     args = parser.parse_args()
+    mtp_adapter.QUEUE_EVERY_LAYERS = args.queue_every
+    hyper_connections.COMPILED = not args.hc_ops
     configure_cuda_graphs()  # as the CLI does, before any device work
     CLOCK[0] = args.clock
     try:
@@ -286,6 +302,8 @@ def main() -> None:
         "tokens": args.tokens,
         "repeats": args.repeats,
         "clock": args.clock,
+        "queue_every_layers": args.queue_every,
+        "hyper_connections_compiled": not args.hc_ops,
         "device": benchmark_device(),
         "costs_in_plain_steps": {
             "plain_step_ms": step * 1e3,

@@ -30,7 +30,7 @@ from mlxserve.engine.acceptance import greedy_accept, rejection_accept
 from mlxserve.engine.adapter import ModelAdapter, ModelState, PlainAdapter, PlainState
 from mlxserve.engine.draft_choice import ChosenRound
 from mlxserve.engine.logits import TokenChooser
-from mlxserve.engine.mtp_adapter import QUEUE_EVERY_LAYERS, MTPAdapter, queue_drafts, trim_exactly
+from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly, verify_streams
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.ring_cache import RingBatch, ring_capable
 from mlxserve.engine.sampling import KeyStream, probabilities, sample
@@ -363,11 +363,10 @@ class MTPRowBatch(RowBatch):
             token = _draft_rows(level, logits[:, -1], params, keys, rounds)[:, None]
             drafts.append(token)
             draft_logits.append(logits[:, -1])
-        queue_drafts(drafts)
         draft_ids = mx.concatenate(drafts, axis=1)  # [B, k]
         verify = mx.concatenate([first, draft_ids], axis=1)  # [B, k + 1]
         rows = self.layer_rows([s.cache for s in states])
-        main_streams = model.forward_hidden(verify, rows, queue_every=QUEUE_EVERY_LAYERS)
+        main_streams = verify_streams(model, verify, rows, drafts)
         main_logits = model.head_from_streams(main_streams)  # [B, k + 1, V]
         emitted = self._accept(
             draft_ids, draft_logits, main_logits, main_streams, params, keys, rounds

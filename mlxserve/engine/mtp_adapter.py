@@ -54,9 +54,15 @@ MAX_CARRY = 64
 QUEUE_EVERY_LAYERS = 4
 
 
-def queue_drafts(drafts: list[mx.array]) -> None:
-    """Start the device on the draft chain before the verify's graph is built."""
-    mx.async_eval(drafts)  # type: ignore[no-untyped-call]
+def verify_streams(model: Any, tokens: mx.array, cache: Any, drafts: list[mx.array]) -> mx.array:
+    """The verify forward of `tokens` [B, k + 1] (the last token and the drafts): the
+    device starts on the draft chain at once, then on the verify every
+    `QUEUE_EVERY_LAYERS` layers (read at each call, so a benchmark can set it; 0 queues
+    nothing). Returns the main model's streams [B, k + 1, hc, D]."""
+    if QUEUE_EVERY_LAYERS and drafts:
+        mx.async_eval(drafts)  # type: ignore[no-untyped-call]
+    streams: mx.array = model.forward_hidden(tokens, cache, queue_every=QUEUE_EVERY_LAYERS)
+    return streams
 
 
 class MTPState:
@@ -177,12 +183,9 @@ class MTPAdapter:
         assert isinstance(state, MTPState) and state.carry is not None and depth >= 1
         carried = int(state.carry.shape[1])
         drafts, draft_logits, used = self._draft(state, last_token, depth, params, keys)
-        queue_drafts(drafts)
         draft_ids = mx.stack(drafts)
         verify_tokens = mx.concatenate([mx.array([last_token]), draft_ids.astype(mx.int32)])
-        main_streams = self.model.forward_hidden(
-            verify_tokens[None], state.cache, queue_every=QUEUE_EVERY_LAYERS
-        )
+        main_streams = verify_streams(self.model, verify_tokens[None], state.cache, drafts)
         main_logits = self.model.head_from_streams(main_streams)[0]
         caches = [c.state for c in (*state.cache, *state.mtp_cache)]
         if params.greedy:
@@ -217,11 +220,8 @@ class MTPAdapter:
         drafts, _, used = self._draft(
             state, last_token, depth, chooser.params, keys, propose=chosen.propose
         )
-        queue_drafts(drafts)
         verify_tokens = mx.concatenate([mx.array([last_token]), mx.stack(drafts)])
-        main_streams = self.model.forward_hidden(
-            verify_tokens[None], state.cache, queue_every=QUEUE_EVERY_LAYERS
-        )
+        main_streams = verify_streams(self.model, verify_tokens[None], state.cache, drafts)
         main_logits = self.model.head_from_streams(main_streams)[0]
         caches = [c.state for c in (*state.cache, *state.mtp_cache)]
         mx.async_eval(main_logits, main_streams, caches)  # type: ignore[no-untyped-call]

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxserve.engine.mtp_adapter import (
-    QUEUE_EVERY_LAYERS,
     MTPAdapter,
     MTPState,
     trim_exactly,
     trim_steps,
+    verify_streams,
 )
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream
@@ -104,9 +104,7 @@ def measure_round_costs(
 
     def verify(k: int) -> float:
         start = clock()
-        streams = model.forward_hidden(
-            varied[None, : k + 1], state.cache, queue_every=QUEUE_EVERY_LAYERS
-        )
+        streams = verify_streams(model, varied[None, : k + 1], state.cache, [])
         logits = model.head_from_streams(streams)
         mx.eval(mx.argmax(logits, axis=-1), streams, [c.state for c in state.cache])
         elapsed = clock() - start

@@ -9,9 +9,22 @@ module is identical to ``deepseek_v41``'s and is reused; V4 only differs in the 
 the final ``HyperHead``, which collapses the streams once more before the last norm.
 Its Sinkhorn normalisation runs through ``mlxserve.kernels.sinkhorn``: one launch on
 CUDA, where v41's op loop is ~80.
+
+A decode step or a verify forward is bound by launches and the host's graph
+building (about 180 nodes per layer), and the hyper-connections around each block
+are a string of tiny element-wise ops. ``enter`` and ``leave`` therefore run under
+``mx.compile`` for forwards of a few rows (``COMPILED_MAX_ROWS``): each element-wise
+string becomes one kernel, and the host replays a traced graph. Larger forwards (a
+prefill) keep the ops, so no compilation is made per prompt length. The compiled
+functions compute the same ops in the same order; each checks itself once per
+process against the ops (``compiled_agrees``) and is not used if it disagrees.
 """
 
 from __future__ import annotations
+
+import logging
+from functools import cache
+from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
@@ -22,6 +35,13 @@ from mlxserve.kernels.sinkhorn import sinkhorn
 from .config import ModelArgs
 
 __all__ = ["HyperConnection", "HyperHead", "collapse", "expand"]
+
+log = logging.getLogger(__name__)
+
+#: Forwards of at most this many rows (batch x tokens) use the compiled functions.
+COMPILED_MAX_ROWS = 64
+#: Set False to run the ops (benchmarks compare both ways).
+COMPILED = True
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:
@@ -37,22 +57,141 @@ def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.arra
     return out.astype(streams.dtype)
 
 
+def _mix(
+    streams: mx.array,
+    fn: mx.array,
+    scale: mx.array,
+    base: mx.array,
+    *,
+    hc: int,
+    norm_eps: float,
+    hc_eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(pre, post, comb before Sinkhorn) from the streams [B, S, hc, D]."""
+    flat = streams.reshape(*streams.shape[:2], -1).astype(mx.float32)
+    flat = mx.fast.rms_norm(flat, None, norm_eps)
+    mix = (flat @ fn.T) * scale + base
+    pre, post, comb = mx.split(mix, [hc, 2 * hc], axis=-1)
+    comb = comb.reshape(*comb.shape[:-1], hc, hc)
+    comb = mx.softmax(comb, axis=-1) + hc_eps
+    return mx.sigmoid(pre) + hc_eps, 2.0 * mx.sigmoid(post), comb
+
+
+def _enter(
+    streams: mx.array,
+    fn: mx.array,
+    scale: mx.array,
+    base: mx.array,
+    *,
+    hc: int,
+    norm_eps: float,
+    hc_eps: float,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(the block's input [B, S, D], post, comb before Sinkhorn)."""
+    pre, post, comb = _mix(streams, fn, scale, base, hc=hc, norm_eps=norm_eps, hc_eps=hc_eps)
+    return collapse(streams, pre), post, comb
+
+
+@cache
+def _compiled(name: str, hc: int, norm_eps: float, hc_eps: float) -> Any:
+    """`enter` or `leave` under ``mx.compile``, for one set of constants (the
+    compilation then retraces per input shape, of which a server sees a few)."""
+    if name == "enter":
+
+        def enter(
+            streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array
+        ) -> tuple[mx.array, mx.array, mx.array]:
+            return _enter(streams, fn, scale, base, hc=hc, norm_eps=norm_eps, hc_eps=hc_eps)
+
+        return mx.compile(enter)
+    return mx.compile(expand)
+
+
+@cache
+def compiled_agrees(hc: int, norm_eps: float, hc_eps: float) -> bool:
+    """Whether the compiled `enter` and `leave` build and match the ops here (once per
+    process and constants). A failure (no compiler for MLX's CPU JIT, say) or a
+    difference leaves the ops in use, with a warning: slower, never wrong."""
+    key = mx.random.key(1)
+    dim = 8
+    streams = mx.random.normal((2, 3, hc, dim), key=key)
+    fn = mx.random.normal(((2 + hc) * hc, hc * dim), key=mx.random.key(2))
+    scale = mx.random.uniform(shape=((2 + hc) * hc,), key=mx.random.key(3))
+    base = mx.random.normal(((2 + hc) * hc,), key=mx.random.key(4))
+    block_out = mx.random.normal((2, 3, dim), key=mx.random.key(5))
+    try:
+        ours = _compiled("enter", hc, norm_eps, hc_eps)(streams, fn, scale, base)
+        theirs = _enter(streams, fn, scale, base, hc=hc, norm_eps=norm_eps, hc_eps=hc_eps)
+        comb = mx.softmax(ours[2], axis=-1)
+        ours_out = _compiled("leave", hc, norm_eps, hc_eps)(block_out, streams, ours[1], comb)
+        theirs_out = expand(block_out, streams, ours[1], comb)
+        worst = max(
+            float(mx.abs(a - b).max())
+            for a, b in zip((*ours, ours_out), (*theirs, theirs_out), strict=True)
+        )
+    except (RuntimeError, ValueError) as exc:
+        log.warning("compiled hyper-connections failed (%s): using the ops", exc)
+        return False
+    if not worst <= 1e-5:
+        log.warning("compiled hyper-connections differ by %g: using the ops", worst)
+        return False
+    return True
+
+
 class HyperConnection(V41HyperConnection):
     """v41's module (same parameters and maths) with the Sinkhorn loop of
-    ``mlxserve.kernels.sinkhorn`` (one launch on CUDA)."""
+    ``mlxserve.kernels.sinkhorn`` (one launch on CUDA), entered and left through
+    `enter` and `leave`, compiled for small forwards."""
+
+    def _compiles(self, streams: mx.array) -> bool:
+        rows = streams.shape[0] * streams.shape[1]
+        return (
+            COMPILED
+            and rows <= COMPILED_MAX_ROWS
+            and compiled_agrees(self.hc, self.norm_eps, self.hc_eps)
+        )
 
     def __call__(self, streams: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        flat = streams.reshape(*streams.shape[:2], -1).astype(mx.float32)
-        flat = mx.fast.rms_norm(flat, None, self.norm_eps)
-        mix = (flat @ self.fn.T) * self.scale[self._scale_ids] + self.base
-        pre, post, comb = mx.split(mix, [self.hc, 2 * self.hc], axis=-1)
-        comb = comb.reshape(*comb.shape[:-1], self.hc, self.hc)
-        comb = mx.softmax(comb, axis=-1) + self.hc_eps
-        return (
-            mx.sigmoid(pre) + self.hc_eps,
-            2.0 * mx.sigmoid(post),
-            sinkhorn(comb, iters=self.iters, eps=self._eps),
+        """(pre, post, comb) from the streams, as v41's module returns them."""
+        scale = self.scale[self._scale_ids]
+        pre, post, comb = _mix(
+            streams,
+            self.fn,
+            scale,
+            self.base,
+            hc=self.hc,
+            norm_eps=self.norm_eps,
+            hc_eps=self.hc_eps,
         )
+        return pre, post, sinkhorn(comb, iters=self.iters, eps=self._eps)
+
+    def enter(self, streams: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """(the block's input: the streams collapsed [B, S, D], post, comb)."""
+        scale = self.scale[self._scale_ids]
+        if self._compiles(streams):
+            enter = _compiled("enter", self.hc, self.norm_eps, self.hc_eps)
+            x, post, comb = enter(streams, self.fn, scale, self.base)
+        else:
+            x, post, comb = _enter(
+                streams,
+                self.fn,
+                scale,
+                self.base,
+                hc=self.hc,
+                norm_eps=self.norm_eps,
+                hc_eps=self.hc_eps,
+            )
+        return x, post, sinkhorn(comb, iters=self.iters, eps=self._eps)
+
+    def leave(
+        self, block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.array
+    ) -> mx.array:
+        """The new streams from the block's output (`expand`)."""
+        if self._compiles(streams):
+            leave = _compiled("leave", self.hc, self.norm_eps, self.hc_eps)
+            out: mx.array = leave(block_out, streams, post, comb)
+            return out
+        return expand(block_out, streams, post, comb)
 
 
 class HyperHead(Module):

@@ -29,7 +29,7 @@ from .attention import Attention
 from .cache import LayerCache, RowCaches
 from .config import ModelArgs
 from .dspark import drop_draft_head, has_dspark_head
-from .hyper_connections import HyperConnection, HyperHead, collapse, expand
+from .hyper_connections import HyperConnection, HyperHead
 from .moe import MoE
 from .mtp import mtp_forward
 from .sanitize import check_weights, mtp_block_count, sanitize_weights
@@ -56,12 +56,12 @@ class DecoderLayer(Module):
 
     def __call__(self, streams: mx.array, token_ids: mx.array, cache: AnyCache) -> mx.array:
         # V4 computes each block's collapse weights from the streams entering *that* block.
-        pre, post, comb = self.hc_attn(streams)
-        h = self.attn(self.attn_norm(collapse(streams, pre)), cache)
-        streams = expand(h, streams, post, comb)
-        pre, post, comb = self.hc_ffn(streams)
-        h = self.ffn(self.ffn_norm(collapse(streams, pre)), token_ids)
-        return expand(h, streams, post, comb)
+        x, post, comb = self.hc_attn.enter(streams)
+        h = self.attn(self.attn_norm(x), cache)
+        streams = self.hc_attn.leave(h, streams, post, comb)
+        x, post, comb = self.hc_ffn.enter(streams)
+        h = self.ffn(self.ffn_norm(x), token_ids)
+        return self.hc_ffn.leave(h, streams, post, comb)
 
 
 class MTPBlock(DecoderLayer):

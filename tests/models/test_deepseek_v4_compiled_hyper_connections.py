@@ -1,0 +1,65 @@
+"""The compiled hyper-connections compute exactly what the ops do, and only small
+forwards compile."""
+
+import mlx.core as mx
+import pytest
+
+from mlxserve.models.deepseek_v4 import hyper_connections
+from tests.engine.v4_models import tiny_v4
+
+
+def _forward(compiled: bool, length: int, monkeypatch: pytest.MonkeyPatch) -> mx.array:
+    monkeypatch.setattr(hyper_connections, "COMPILED", compiled)
+    model = tiny_v4(seed=5)
+    cache = model.make_cache(4)
+    model.forward_hidden(mx.array([[(3 * i + 1) % 61 for i in range(17)]]), cache)
+    out = model.forward_hidden(mx.array([[(5 * i + 2) % 61 for i in range(length)]]), cache)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_a_compiled_forward_equals_the_ops(length: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert hyper_connections.compiled_agrees(4, 1e-6, 1e-6)
+    ops = _forward(False, length, monkeypatch)
+    compiled = _forward(True, length, monkeypatch)
+    assert mx.array_equal(ops, compiled)
+
+
+def test_only_small_forwards_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    real = hyper_connections._compiled
+
+    def spy(name: str, *constants: object) -> object:
+        calls.append(name)
+        return real(name, *constants)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hyper_connections, "_compiled", spy)
+    monkeypatch.setattr(hyper_connections, "COMPILED_MAX_ROWS", 4)
+    model = tiny_v4(seed=5)
+    cache = model.make_cache(4)
+    model.forward_hidden(mx.array([list(range(1, 9))]), cache)  # 8 rows: the ops
+    assert calls == []
+    model.forward_hidden(mx.array([[3]]), cache)  # one row: compiled
+    assert set(calls) == {"enter", "leave"}
+
+
+def test_a_disagreeing_compilation_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    def off_by_one(name: str, *constants: object) -> object:
+        """A stand-in compilation whose every output is 1 off."""
+
+        def enter(*arrays: mx.array) -> tuple[mx.array, ...]:
+            outs = hyper_connections._enter(*arrays, hc=4, norm_eps=1e-6, hc_eps=1e-6)
+            return tuple(out + 1.0 for out in outs)
+
+        def leave(*arrays: mx.array) -> mx.array:
+            return hyper_connections.expand(*arrays) + 1.0
+
+        return enter if name == "enter" else leave
+
+    hyper_connections.compiled_agrees.cache_clear()
+    monkeypatch.setattr(hyper_connections, "_compiled", off_by_one)
+    try:
+        assert not hyper_connections.compiled_agrees(4, 1e-6, 1e-6)
+    finally:
+        hyper_connections.compiled_agrees.cache_clear()
