@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.mtp_adapter import MTPAdapter
+from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.models.deepseek_v4 import hyper_connections
@@ -73,7 +73,7 @@ def main() -> None:
         counts = count_nodes([logits, *[c.state for c in state.cache]])
         mx.eval(logits, [c.state for c in state.cache])
         for cache in state.cache:
-            cache.trim(length)
+            trim_exactly(cache, length)
         kernels = {k: v for k, v in counts.items() if k not in VIEWS}
         forwards[str(length)] = {
             "nodes": sum(counts.values()),

@@ -7,6 +7,8 @@ import pytest
 from mlxserve.models.deepseek_v4 import hyper_connections
 from tests.engine.v4_models import tiny_v4
 
+CONSTANTS = hyper_connections.MixConstants(hc=4, norm_eps=1e-6, hc_eps=1e-6)
+
 
 def _forward(compiled: bool, length: int, monkeypatch: pytest.MonkeyPatch) -> mx.array:
     monkeypatch.setattr(hyper_connections, "COMPILED", compiled)
@@ -20,7 +22,7 @@ def _forward(compiled: bool, length: int, monkeypatch: pytest.MonkeyPatch) -> mx
 
 @pytest.mark.parametrize("length", [1, 3])
 def test_a_compiled_forward_equals_the_ops(length: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert hyper_connections.compiled_agrees(4, 1e-6, 1e-6)
+    assert hyper_connections.compiled_agrees(CONSTANTS)
     ops = _forward(False, length, monkeypatch)
     compiled = _forward(True, length, monkeypatch)
     assert mx.array_equal(ops, compiled)
@@ -49,7 +51,7 @@ def test_a_disagreeing_compilation_is_not_used(monkeypatch: pytest.MonkeyPatch) 
         """A stand-in compilation whose every output is 1 off."""
 
         def enter(*arrays: mx.array) -> tuple[mx.array, ...]:
-            outs = hyper_connections._enter(*arrays, hc=4, norm_eps=1e-6, hc_eps=1e-6)
+            outs = hyper_connections._enter(*arrays, CONSTANTS)
             return tuple(out + 1.0 for out in outs)
 
         def leave(*arrays: mx.array) -> mx.array:
@@ -60,6 +62,6 @@ def test_a_disagreeing_compilation_is_not_used(monkeypatch: pytest.MonkeyPatch) 
     hyper_connections.compiled_agrees.cache_clear()
     monkeypatch.setattr(hyper_connections, "_compiled", off_by_one)
     try:
-        assert not hyper_connections.compiled_agrees(4, 1e-6, 1e-6)
+        assert not hyper_connections.compiled_agrees(CONSTANTS)
     finally:
         hyper_connections.compiled_agrees.cache_clear()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
@@ -57,43 +57,39 @@ def expand(block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.arra
     return out.astype(streams.dtype)
 
 
+class MixConstants(NamedTuple):
+    """A hyper-connection's constants: its stream count and epsilons (hashable, so one
+    compilation serves every layer that shares them)."""
+
+    hc: int
+    norm_eps: float
+    hc_eps: float
+
+
 def _mix(
-    streams: mx.array,
-    fn: mx.array,
-    scale: mx.array,
-    base: mx.array,
-    *,
-    hc: int,
-    norm_eps: float,
-    hc_eps: float,
+    streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, constants: MixConstants
 ) -> tuple[mx.array, mx.array, mx.array]:
     """(pre, post, comb before Sinkhorn) from the streams [B, S, hc, D]."""
+    hc = constants.hc
     flat = streams.reshape(*streams.shape[:2], -1).astype(mx.float32)
-    flat = mx.fast.rms_norm(flat, None, norm_eps)
+    flat = mx.fast.rms_norm(flat, None, constants.norm_eps)
     mix = (flat @ fn.T) * scale + base
     pre, post, comb = mx.split(mix, [hc, 2 * hc], axis=-1)
     comb = comb.reshape(*comb.shape[:-1], hc, hc)
-    comb = mx.softmax(comb, axis=-1) + hc_eps
-    return mx.sigmoid(pre) + hc_eps, 2.0 * mx.sigmoid(post), comb
+    comb = mx.softmax(comb, axis=-1) + constants.hc_eps
+    return mx.sigmoid(pre) + constants.hc_eps, 2.0 * mx.sigmoid(post), comb
 
 
 def _enter(
-    streams: mx.array,
-    fn: mx.array,
-    scale: mx.array,
-    base: mx.array,
-    *,
-    hc: int,
-    norm_eps: float,
-    hc_eps: float,
+    streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, constants: MixConstants
 ) -> tuple[mx.array, mx.array, mx.array]:
     """(the block's input [B, S, D], post, comb before Sinkhorn)."""
-    pre, post, comb = _mix(streams, fn, scale, base, hc=hc, norm_eps=norm_eps, hc_eps=hc_eps)
+    pre, post, comb = _mix(streams, fn, scale, base, constants)
     return collapse(streams, pre), post, comb
 
 
 @cache
-def _compiled(name: str, hc: int, norm_eps: float, hc_eps: float) -> Any:
+def _compiled(name: str, constants: MixConstants) -> Any:
     """`enter` or `leave` under ``mx.compile``, for one set of constants (the
     compilation then retraces per input shape, of which a server sees a few)."""
     if name == "enter":
@@ -101,29 +97,28 @@ def _compiled(name: str, hc: int, norm_eps: float, hc_eps: float) -> Any:
         def enter(
             streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array
         ) -> tuple[mx.array, mx.array, mx.array]:
-            return _enter(streams, fn, scale, base, hc=hc, norm_eps=norm_eps, hc_eps=hc_eps)
+            return _enter(streams, fn, scale, base, constants)
 
         return mx.compile(enter)
     return mx.compile(expand)
 
 
 @cache
-def compiled_agrees(hc: int, norm_eps: float, hc_eps: float) -> bool:
+def compiled_agrees(constants: MixConstants) -> bool:
     """Whether the compiled `enter` and `leave` build and match the ops here (once per
     process and constants). A failure (no compiler for MLX's CPU JIT, say) or a
     difference leaves the ops in use, with a warning: slower, never wrong."""
-    key = mx.random.key(1)
-    dim = 8
-    streams = mx.random.normal((2, 3, hc, dim), key=key)
-    fn = mx.random.normal(((2 + hc) * hc, hc * dim), key=mx.random.key(2))
-    scale = mx.random.uniform(shape=((2 + hc) * hc,), key=mx.random.key(3))
-    base = mx.random.normal(((2 + hc) * hc,), key=mx.random.key(4))
+    hc, dim, mix = constants.hc, 8, (2 + constants.hc) * constants.hc
+    streams = mx.random.normal((2, 3, hc, dim), key=mx.random.key(1))
+    fn = mx.random.normal((mix, hc * dim), key=mx.random.key(2))
+    scale = mx.random.uniform(shape=(mix,), key=mx.random.key(3))
+    base = mx.random.normal((mix,), key=mx.random.key(4))
     block_out = mx.random.normal((2, 3, dim), key=mx.random.key(5))
     try:
-        ours = _compiled("enter", hc, norm_eps, hc_eps)(streams, fn, scale, base)
-        theirs = _enter(streams, fn, scale, base, hc=hc, norm_eps=norm_eps, hc_eps=hc_eps)
+        ours = _compiled("enter", constants)(streams, fn, scale, base)
+        theirs = _enter(streams, fn, scale, base, constants)
         comb = mx.softmax(ours[2], axis=-1)
-        ours_out = _compiled("leave", hc, norm_eps, hc_eps)(block_out, streams, ours[1], comb)
+        ours_out = _compiled("leave", constants)(block_out, streams, ours[1], comb)
         theirs_out = expand(block_out, streams, ours[1], comb)
         worst = max(
             float(mx.abs(a - b).max())
@@ -143,44 +138,27 @@ class HyperConnection(V41HyperConnection):
     ``mlxserve.kernels.sinkhorn`` (one launch on CUDA), entered and left through
     `enter` and `leave`, compiled for small forwards."""
 
+    @property
+    def constants(self) -> MixConstants:
+        return MixConstants(self.hc, self.norm_eps, self.hc_eps)
+
     def _compiles(self, streams: mx.array) -> bool:
         rows = streams.shape[0] * streams.shape[1]
-        return (
-            COMPILED
-            and rows <= COMPILED_MAX_ROWS
-            and compiled_agrees(self.hc, self.norm_eps, self.hc_eps)
-        )
+        return COMPILED and rows <= COMPILED_MAX_ROWS and compiled_agrees(self.constants)
 
     def __call__(self, streams: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(pre, post, comb) from the streams, as v41's module returns them."""
         scale = self.scale[self._scale_ids]
-        pre, post, comb = _mix(
-            streams,
-            self.fn,
-            scale,
-            self.base,
-            hc=self.hc,
-            norm_eps=self.norm_eps,
-            hc_eps=self.hc_eps,
-        )
+        pre, post, comb = _mix(streams, self.fn, scale, self.base, self.constants)
         return pre, post, sinkhorn(comb, iters=self.iters, eps=self._eps)
 
     def enter(self, streams: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(the block's input: the streams collapsed [B, S, D], post, comb)."""
         scale = self.scale[self._scale_ids]
         if self._compiles(streams):
-            enter = _compiled("enter", self.hc, self.norm_eps, self.hc_eps)
-            x, post, comb = enter(streams, self.fn, scale, self.base)
+            x, post, comb = _compiled("enter", self.constants)(streams, self.fn, scale, self.base)
         else:
-            x, post, comb = _enter(
-                streams,
-                self.fn,
-                scale,
-                self.base,
-                hc=self.hc,
-                norm_eps=self.norm_eps,
-                hc_eps=self.hc_eps,
-            )
+            x, post, comb = _enter(streams, self.fn, scale, self.base, self.constants)
         return x, post, sinkhorn(comb, iters=self.iters, eps=self._eps)
 
     def leave(
@@ -188,8 +166,7 @@ class HyperConnection(V41HyperConnection):
     ) -> mx.array:
         """The new streams from the block's output (`expand`)."""
         if self._compiles(streams):
-            leave = _compiled("leave", self.hc, self.norm_eps, self.hc_eps)
-            out: mx.array = leave(block_out, streams, post, comb)
+            out: mx.array = _compiled("leave", self.constants)(block_out, streams, post, comb)
             return out
         return expand(block_out, streams, post, comb)
 
