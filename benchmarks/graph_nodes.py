@@ -9,6 +9,7 @@ The graph is the default device's: on a CPU, MLX's fast ops (RMSNorm, RoPE, SDPA
 decompose into many ops, so run it where the numbers matter (the GPU).
 
 Run: python benchmarks/graph_nodes.py [--layers 43] [--tokens 1,2,6] [--hc-ops]
+                                      [--masked-attention]
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import mlx.core as mx
 from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
+from mlxserve.kernels import attention
 from mlxserve.models.deepseek_v4 import hyper_connections
 
 VIEWS = frozenset(
@@ -59,8 +61,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=43)
     parser.add_argument("--tokens", default="1,2,6", help="forward lengths S, comma-separated")
     parser.add_argument("--hc-ops", action="store_true", help="hyper-connections as ops")
+    parser.add_argument(
+        "--masked-attention", action="store_true", help="one masked attention call per forward"
+    )
     args = parser.parse_args()
     hyper_connections.COMPILED = not args.hc_ops
+    if args.masked_attention:
+        attention.SPLIT_QUERIES = False
     configure_cuda_graphs()
     model = flash_shaped(args.layers, 512, 64, 8192)
     adapter = MTPAdapter(model)
@@ -87,6 +94,7 @@ def main() -> None:
                 "benchmark": "graph_nodes",
                 "layers": args.layers,
                 "hyper_connections_compiled": not args.hc_ops,
+                "attention_split_per_query": attention.split_queries(2),
                 "device": benchmark_device(),
                 "forwards": forwards,
             },

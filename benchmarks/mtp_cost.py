@@ -52,6 +52,7 @@ from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.engine.round_costs import measure_round_costs, throwaway_state
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
+from mlxserve.kernels import attention
 from mlxserve.models.deepseek_v4 import hyper_connections
 
 ACCEPTANCES = (0.5, 0.7, 0.85)
@@ -304,6 +305,7 @@ def main() -> None:
         "clock": args.clock,
         "queue_every_layers": args.queue_every,
         "hyper_connections_compiled": not args.hc_ops,
+        "attention_split_per_query": attention.split_queries(2),
         "device": benchmark_device(),
         "costs_in_plain_steps": {
             "plain_step_ms": step * 1e3,

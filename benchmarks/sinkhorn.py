@@ -35,7 +35,8 @@ from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.round_costs import measure_round_costs
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
-from mlxserve.kernels.sinkhorn import fast_path_agrees, on_cpu, on_cuda, sinkhorn
+from mlxserve.kernels.device import on_cpu, on_cuda
+from mlxserve.kernels.sinkhorn import fast_path_agrees, sinkhorn
 
 sys.path.insert(0, str(Path(__file__).parent))
 from mtp_cost import flash_shaped

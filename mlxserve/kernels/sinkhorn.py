@@ -31,6 +31,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.deepseek_v41 import _sinkhorn as mlx_lm_sinkhorn
 
+from mlxserve.kernels.device import on_cpu, on_cuda
+
 log = logging.getLogger(__name__)
 
 THREADS_PER_BLOCK = 128
@@ -100,11 +102,6 @@ def _cuda_kernel() -> Any:
     )
 
 
-def on_cuda() -> bool:
-    """Whether the default device is a CUDA GPU (where the one-launch kernel runs)."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
 def sinkhorn_cuda(comb: mx.array, *, iters: int, eps: mx.array) -> mx.array:
     """The loop of `sinkhorn` as one CUDA kernel over the matrices of `comb` [..., hc, hc]."""
     hc = comb.shape[-1]
@@ -119,11 +116,6 @@ def sinkhorn_cuda(comb: mx.array, *, iters: int, eps: mx.array) -> mx.array:
         output_dtypes=[mx.float32],
     )
     return outputs[0].reshape(comb.shape)
-
-
-def on_cpu() -> bool:
-    """Whether the default device is the CPU (where the compiled loop runs)."""
-    return mx.default_device() == mx.cpu
 
 
 @cache

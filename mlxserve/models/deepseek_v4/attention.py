@@ -28,6 +28,8 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
 from mlx_lm.models.switch_layers import SwitchLinear
 
+from mlxserve.kernels.attention import split_queries
+
 from .cache import LayerCache, RowCaches
 from .compressor import Compressor
 from .config import CSA, SLIDING, ModelArgs
@@ -160,23 +162,51 @@ class Attention(Module):
     ) -> mx.array:
         """Attend (rotated ``q``, ``kv``) over the window and the compressed entries;
         returns [B, H, S, D], still rotated."""
-        batch, length, _ = x.shape
+        length = x.shape[1]
         start = cache.offset
         previous = 0 if cache.window is None else int(cache.window.shape[1])
         previous = min(previous, self.sliding_window - 1)
         keys = cache.update_window(kv)
         keys = keys[:, keys.shape[1] - previous - length :]
-        mask: mx.array | None = None  # one query sees its whole window: no mask
-        if length > 1:
-            mask = mx.broadcast_to(
-                window_mask(start, length, previous, self.sliding_window),
-                (batch, length, previous + length),
-            )
-
+        entries, chosen = None, None
         if self.layer_type != SLIDING:
-            keys, mask = self._add_compressed(x, q_residual, cache, keys, mask)
+            entries, chosen = self._compressed(x, q_residual, cache)
+            if entries is not None:
+                entries = entries.astype(keys.dtype)
         cache.advance(length)
+        if length == 1:
+            # One query sees its whole window and every closed entry, or all its picks
+            # (it sees every entry, and there are more than index_topk): no mask.
+            if entries is not None:
+                if chosen is not None:
+                    entries = mx.take_along_axis(entries, chosen[:, 0, :, None], axis=1)
+                keys = mx.concatenate([keys, entries], axis=1)
+            return self._sdpa(q, keys, None)
+        if split_queries(length) and (
+            chosen is None or (start + 1) // self.ratio >= self.indexer.index_topk
+        ):
+            # (With picks, the first query already sees index_topk entries, so every
+            # pick of every query is a real one.) Each query gets the unmasked call a
+            # decode step at its position makes (`mlxserve.kernels.attention`).
+            return mx.concatenate(
+                [
+                    self._sdpa(
+                        q[:, :, i : i + 1],
+                        self._query_keys(i, start, previous, keys, entries, chosen),
+                        None,
+                    )
+                    for i in range(length)
+                ],
+                axis=2,
+            )
+        mask = window_mask(start, length, previous, self.sliding_window)
+        mask = mx.broadcast_to(mask, (x.shape[0], length, previous + length))
+        if entries is not None:
+            keys, mask = self._add_entries(start, length, keys, mask, entries, chosen)
+        return self._sdpa(q, keys, mask)
 
+    def _sdpa(self, q: mx.array, keys: mx.array, mask: mx.array | None) -> mx.array:
+        """One attention call; K = V, ``mask`` [B, S, keys] or None."""
         out: mx.array = mx.fast.scaled_dot_product_attention(
             q,
             keys[:, None],
@@ -186,6 +216,26 @@ class Attention(Module):
             sinks=self.attn_sink.astype(q.dtype),
         )
         return out
+
+    def _query_keys(
+        self,
+        i: int,
+        start: int,
+        previous: int,
+        window: mx.array,
+        entries: mx.array | None,
+        chosen: mx.array | None,
+    ) -> mx.array:
+        """The keys query ``i`` of a forward sees: its window rows, then its entries."""
+        last = previous + i
+        keys = window[:, max(0, last - self.sliding_window + 1) : last + 1]
+        if entries is None:
+            return keys
+        if chosen is not None:
+            seen = mx.take_along_axis(entries, chosen[:, i, :, None], axis=1)
+        else:
+            seen = entries[:, : (start + 1 + i) // self.ratio]
+        return mx.concatenate([keys, seen], axis=1) if seen.shape[1] else keys
 
     def _attend_stacked(
         self,
@@ -228,38 +278,35 @@ class Attention(Module):
         )
         return out
 
-    def _add_compressed(
-        self,
-        x: mx.array,
-        q_residual: mx.array,
-        cache: LayerCache,
-        keys: mx.array,
-        mask: mx.array | None,
-    ) -> tuple[mx.array, mx.array | None]:
-        """Append this layer's compressed entries to the keys and extend the mask."""
-        batch, length, _ = x.shape
+    def _compressed(
+        self, x: mx.array, q_residual: mx.array, cache: LayerCache
+    ) -> tuple[mx.array | None, mx.array | None]:
+        """This layer's compressed entries [B, N, D] (None before the first closes) and,
+        in CSA layers past ``index_topk`` entries, the indexer's picks [B, S, k]."""
         start = cache.offset
         entries = self.compressor(x, cache.compressors["compressor"], start, self.rope)
         chosen = None
         if self.layer_type == CSA:
             chosen = self.indexer(x, q_residual, cache.compressors["indexer"], start, self.rope)
-        if entries is None:
-            return keys, mask
-        num = int(entries.shape[1])
-        if chosen is None and mask is None:
-            # One query (no window mask): every closed entry is causally visible to it.
-            return mx.concatenate([keys, entries.astype(keys.dtype)], axis=1), None
-        if mask is None:
-            mask = mx.ones((batch, length, keys.shape[1]), dtype=mx.bool_)
+        return entries, chosen
+
+    def _add_entries(
+        self,
+        start: int,
+        length: int,
+        keys: mx.array,
+        mask: mx.array,
+        entries: mx.array,
+        chosen: mx.array | None,
+    ) -> tuple[mx.array, mx.array]:
+        """Append the entries to the keys and extend the window mask with what each
+        query sees of them: the causally closed ones, or its picks."""
         if chosen is None:
-            visible = mx.arange(num)[None, :] < visible_entries(start, length, self.ratio)
-            extra = mx.broadcast_to(visible, (batch, length, num))
-        elif length == 1:
-            # One query: gather its picks rather than masking all entries.
-            safe = mx.maximum(chosen[:, 0], 0)  # [B, k]
-            entries = mx.take_along_axis(entries, safe[..., None], axis=1)
-            extra = chosen >= 0
+            visible = mx.arange(entries.shape[1])[None, :] < visible_entries(
+                start, length, self.ratio
+            )
+            extra = mx.broadcast_to(visible, (keys.shape[0], length, entries.shape[1]))
         else:
-            extra = selection_mask(chosen, num)
-        keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+            extra = selection_mask(chosen, entries.shape[1])
+        keys = mx.concatenate([keys, entries], axis=1)
         return keys, mx.concatenate([mask, extra], axis=-1)
