@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -59,9 +60,28 @@ ACCEPTANCES = (0.5, 0.7, 0.85)
 DEPTHS = (1, 2, 3, 4, 5)
 
 
-def flash_shaped(layers: int, hidden: int, experts: int, vocab: int, seed: int = 0) -> Any:
+#: The projections DeepSeek-V4-Flash ships in FP8, which mlxserve loads as ``mxfp8``:
+#: attention's, the indexer's query, the shared expert's and the MTP inputs' (the
+#: compressors, ``weights_proj``, the router and the hyper-connections ship in float).
+FP8_PROJECTIONS = re.compile(
+    r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)$|\.indexer\.wq_b$|\.shared_experts\.(gate_proj|up_proj|down_proj)$"
+    r"|\.(e_proj|h_proj)$"
+)
+DENSE_FORMATS = ("mxfp8", "float")
+
+
+def flash_shaped(
+    layers: int, hidden: int, experts: int, vocab: int, seed: int = 0, dense: str = "mxfp8"
+) -> Any:
     """DeepSeek-V4-Flash's structure (layer pattern, hash layers, hc_mult 4, top-6 MoE,
-    one MTP block) at `hidden` width; random weights, experts quantised to 4 bits."""
+    one MTP block) at `hidden` width; random weights, experts quantised to 4 bits and,
+    with `dense` "mxfp8", the projections the published checkpoint has in FP8 as
+    mlxserve loads them (`FP8_PROJECTIONS`); "float" keeps them float32. The format
+    matters on CUDA: a float matmul of 2-6 rows costs 2-3x one of a single row there
+    (cuBLAS against a matrix-vector kernel, `matmul_rows.py`), a quantised one about
+    the same."""
+    from mlx.nn.layers.quantized import quantize
+
     from mlxserve.engine.build import materialize
     from mlxserve.models.deepseek_v4 import Model, ModelArgs
     from mlxserve.models.deepseek_v4.model import MTPBlock
@@ -105,6 +125,16 @@ def flash_shaped(layers: int, hidden: int, experts: int, vocab: int, seed: int =
         randomized.append((name, value))
     model.update(tree_unflatten(randomized))
     quantize_experts(model)
+    if dense == "mxfp8":
+        quantize(
+            model,
+            32,
+            8,
+            mode="mxfp8",
+            class_predicate=lambda path, _: FP8_PROJECTIONS.search(path) is not None,
+        )
+    elif dense != "float":
+        raise ValueError(f"dense projections are {' or '.join(DENSE_FORMATS)}, not {dense!r}")
     materialize(model)
     return model
 
@@ -260,6 +290,12 @@ def main() -> None:
         help="queue a verify for the device every this many layers (0: not at all)",
     )
     parser.add_argument(
+        "--dense",
+        choices=DENSE_FORMATS,
+        default="mxfp8",
+        help="the dense projections' format (mxfp8: as the published checkpoint loads)",
+    )
+    parser.add_argument(
         "--hc-ops",
         action="store_true",
         help="run the hyper-connections as ops, not compiled (to compare)",
@@ -276,7 +312,7 @@ def main() -> None:
         parser.error(f"--acceptance takes numbers, --depths integers: {exc}")
 
     started = time.perf_counter()
-    model = flash_shaped(args.layers, args.hidden, args.experts, args.vocab)
+    model = flash_shaped(args.layers, args.hidden, args.experts, args.vocab, dense=args.dense)
     prompt = tuple(random.Random(1).randrange(args.vocab) for _ in range(args.prompt))
     plain = Engine(PlainAdapter(model), EngineConfig(speculative_depth=0, prefix_cache_entries=0))
     one_run(plain, prompt, args.tokens, "warm-up")  # kernels for every shape compiled
@@ -298,6 +334,7 @@ def main() -> None:
             "experts_per_token": 6,
             "vocab": args.vocab,
             "experts_bits": 4,
+            "dense_projections": args.dense,
         },
         "prompt_tokens": args.prompt,
         "tokens": args.tokens,
