@@ -141,6 +141,8 @@ def main() -> None:
         "benchmark": "sinkhorn",
         "device": benchmark_device(),
         "clock": args.clock,
+        "layers": None if args.skip_flash else args.layers,
+        "steps": args.steps,
         "shipped_path": shipped_path(),
         "shipped_against_loop": shipped_against_loop([1, 8, 64, 4096]),
     }

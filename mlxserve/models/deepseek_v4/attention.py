@@ -10,9 +10,12 @@ inverse rotation at the query position.
 * HCA (ratio 128): plus every causally complete compressed entry.
 * CSA (ratio 4): plus the ``index_topk`` entries the indexer picks per query.
 
-The window and the compressed keys go through one fused SDPA call with a boolean mask.
-For a single decoding query whose indexer picks a subset, the picked entries are
-gathered instead, so decoding cost does not grow with the number of entries.
+A decoding query sees its whole window and every closed entry, or its gathered picks
+(so its cost does not grow with the number of entries): one SDPA call, no mask. A
+forward of several queries (a verify, a prefill chunk) gives each its own window and
+entries: one SDPA call with a boolean mask, or, where ``mlxserve.kernels.attention``
+says so (CUDA, for a verify's 2-8 queries), one unmasked call per query over exactly
+the keys it sees.
 
 A batch of sequences comes as ``RowCaches`` (each row's own cache: the core runs row
 by row, any number of tokens) or, for decode steps, as ``StackedRows`` (the rows'
