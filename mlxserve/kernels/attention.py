@@ -2,15 +2,18 @@
 
 A verify forward attends S = k + 1 queries, each over its own window and compressed
 entries. One ``scaled_dot_product_attention`` with a boolean mask says that in one
-call, and MLX's Metal backend runs it in its vector kernel (up to 8 queries, masks
-allowed). MLX's CUDA backend has no fast path for a masked call (its vector kernel
-takes no array mask and its cuDNN path no boolean one), so there the call falls
-back to matmuls, a softmax and selects, plus the mask's own arange and compare ops:
-on the 43-layer Flash-shaped model a verify of 2 tokens built 4406 kernels against a
-decode step's 3727, with no fused attention left. On CUDA each query therefore gets
-its own unmasked call over exactly the keys it sees (a slice of the window and its
-entries), which is the decode step's kernel S times. The CPU decomposes attention
-into ops either way, so it keeps the one masked call.
+call. MLX's CUDA backend has no fast path for a masked call (its vector kernel takes
+no array mask and its cuDNN path no boolean one), so there the call falls back to
+matmuls, a softmax and selects, plus the mask's own arange and compare ops: on the
+43-layer Flash-shaped model a verify of 2 tokens built 4406 kernels against a decode
+step's 3727, with no fused attention left. On CUDA each query therefore gets its own
+unmasked call over exactly the keys it sees (a slice of the window and its entries),
+which is the decode step's kernel S times: 3833 kernels, and verify(1) 0.94x the
+masked call's time on an H200 (`benchmarks/setting_ab.py --setting split-attention`).
+The CPU decomposes attention into ops either way, so it keeps the one masked call.
+So does Metal, where nothing was measured: its vector kernel takes masks for up to 8
+queries where the head size and the query heads per KV head fit it, and otherwise
+both ways fall back.
 """
 
 from mlxserve.kernels.device import on_cuda
