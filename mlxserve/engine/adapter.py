@@ -35,7 +35,18 @@ class ModelAdapter(Protocol):
     def snapshot(self, state: ModelState) -> ModelState:
         """An independent copy, for the prefix cache."""
 
+    def compact(self, state: ModelState) -> None:
+        """Give each of the state's arrays a buffer of its own size, in place, before the
+        prefix cache keeps it: an evaluated slice shares its source's whole buffer, so a
+        kept window or a cache grown in steps would pin more than it counts."""
+
     def nbytes(self, state: ModelState) -> int: ...
+
+
+def _is_compact(cache: Any) -> bool:
+    """A plain KV cache allocated at exactly its length (a copy made by `_compact_copy`)."""
+    keys = getattr(cache, "keys", None)
+    return type(cache) is KVCache and keys is not None and keys.shape[2] == cache.offset
 
 
 def _compact_copy(cache: Any) -> Any:
@@ -114,6 +125,11 @@ class PlainAdapter:
         # the source's next in-place update, which then copies instead).
         mx.eval([c.state for c in copy.cache])
         return copy
+
+    def compact(self, state: ModelState) -> None:
+        assert isinstance(state, PlainState)
+        state.cache = [c if _is_compact(c) else _compact_copy(c) for c in state.cache]
+        mx.eval([c.state for c in state.cache])
 
     def nbytes(self, state: ModelState) -> int:
         assert isinstance(state, PlainState)

@@ -34,6 +34,7 @@ from mlxserve.engine.draft_choice import ChosenRound
 from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream, probabilities, sample, token_id
+from mlxserve.kernels.buffers import own_buffer
 
 if TYPE_CHECKING:
     from mlxserve.engine.round_costs import RoundCosts
@@ -242,6 +243,15 @@ class MTPAdapter:
     def snapshot(self, state: Any) -> MTPState:
         assert isinstance(state, MTPState)
         return copy.deepcopy(state)
+
+    def compact(self, state: Any) -> None:
+        """Layer by layer: one layer's copy in flight at a time."""
+        assert isinstance(state, MTPState)
+        for cache in (*state.cache, *state.mtp_cache):
+            cache.compact()
+        if state.carry is not None:
+            state.carry = own_buffer(state.carry)
+        state.carry_tokens = [own_buffer(tokens) for tokens in state.carry_tokens]
 
     def nbytes(self, state: Any) -> int:
         assert isinstance(state, MTPState)

@@ -63,6 +63,7 @@ class PrefixCache:
         if self.adapter.nbytes(state) > self.max_bytes:
             return
         kept = state if owned else self.adapter.snapshot(state)
+        self.adapter.compact(kept)
         # Counted as kept: a copy holds the positions, not the source's allocation
         # (mlx-lm caches grow in steps); counting that overstated what is held.
         nbytes = self.adapter.nbytes(kept)

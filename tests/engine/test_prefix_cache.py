@@ -51,12 +51,13 @@ def test_a_stored_prompt_counts_its_positions_not_the_allocation(llama_model: Mo
     assert len(cache) == 1 and cache.nbytes == BYTES_PER_POSITION
 
 
-def test_an_owned_state_counts_what_it_holds(llama_model: Module) -> None:
+def test_an_owned_state_is_kept_at_its_length(llama_model: Module) -> None:
     adapter = PlainAdapter(llama_model)
     state = _prefilled(adapter, list(range(3, 13)), reserve=40)
+    assert adapter.nbytes(state) >= 40 * BYTES_PER_POSITION  # allocated for 40
     cache = PrefixCache(adapter, max_entries=4, max_bytes=1 << 30)
-    cache.store(tuple(range(3, 13)), state, owned=True)  # kept as is, allocation and all
-    assert cache.nbytes == adapter.nbytes(state) >= 40 * BYTES_PER_POSITION
+    cache.store(tuple(range(3, 13)), state, owned=True)  # compacted, not copied again
+    assert cache.nbytes == adapter.nbytes(state) == 10 * BYTES_PER_POSITION
 
 
 def test_a_state_over_the_bound_is_not_kept(llama_model: Module) -> None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from mlxserve.kernels.buffers import own_buffer
+
 from .cache import CompressorState, LayerCache
 
 #: entries a stacked compressor's capacity grows by (each growth copies its entries)
@@ -58,8 +60,8 @@ def _rows(array: mx.array | None) -> int:
 
 
 def _slice(view: mx.array, own: bool) -> mx.array:
-    # mx.array(x) copies x's data into a new buffer; a slice shares the stacked one.
-    return mx.array(view) if own else view
+    """The view itself, or with ``own`` a copy that does not keep the stack alive."""
+    return own_buffer(view) if own else view
 
 
 def entry_capacity(count: int) -> int:
