@@ -12,6 +12,8 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxserve.kernels.buffers import own_buffer
+
 
 class ModelState(Protocol):
     """Everything one sequence keeps between steps (caches, carried hidden states)."""
@@ -54,8 +56,9 @@ def _compact_copy(cache: Any) -> Any:
     if type(cache) is not KVCache or keys is None or values is None:
         return copy.deepcopy(cache)
     out = KVCache()  # type: ignore[no-untyped-call]
-    out.keys = mx.contiguous(keys[..., : cache.offset, :])
-    out.values = mx.contiguous(values[..., : cache.offset, :])
+    # mx.contiguous returns a slice of nearly all its source as the slice itself.
+    out.keys = own_buffer(keys[..., : cache.offset, :])
+    out.values = own_buffer(values[..., : cache.offset, :])
     out.offset = cache.offset
     return out
 

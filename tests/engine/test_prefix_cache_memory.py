@@ -40,12 +40,12 @@ def test_kept_states_hold_no_more_than_they_count() -> None:
     held = mx.get_active_memory() - idle
     counted = engine.prefix_cache.nbytes
     # Not counted: the carried hidden states and token ids, and the allocator's rounding
-    # of some twenty small buffers per entry; about 7 KB an entry here. Pinning the
-    # stacked batch held 1.66 MB for 0.37 MB counted.
-    assert held <= counted * 1.1 + 8192 * len(engine.prefix_cache), (held, counted)
+    # of some twenty small buffers per entry (1.3x alone, up to 1.5x after other tests
+    # in one process). Pinning the stacked batch held 4.4x (1.60 MB for 0.37 MB).
+    assert held <= 2 * counted, (held, counted)
     engine.prefix_cache.clear()
     gc.collect()
-    assert mx.get_active_memory() - idle <= 64 * 1024
+    assert mx.get_active_memory() - idle <= 128 * 1024, mx.get_active_memory() - idle
 
 
 def test_an_owned_copy_is_a_copy() -> None:
