@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from mlxserve.kernels.buffers import own_buffer
+from mlxserve.kernels.buffers import own_buffers
 
 
 class ModelState(Protocol):
@@ -52,14 +52,24 @@ def _is_compact(cache: Any) -> bool:
 
 
 def _compact_copy(cache: Any) -> Any:
+    """A copy of `cache` whose arrays have buffers of their own size (a deep copy alone
+    shares them; `mlxserve.kernels.buffers`); a plain KV cache at its length."""
     keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-    if type(cache) is not KVCache or keys is None or values is None:
-        return copy.deepcopy(cache)
-    out = KVCache()  # type: ignore[no-untyped-call]
-    # mx.contiguous returns a slice of nearly all its source as the slice itself.
-    out.keys = own_buffer(keys[..., : cache.offset, :])
-    out.values = own_buffer(values[..., : cache.offset, :])
-    out.offset = cache.offset
+    if type(cache) is KVCache and keys is not None and values is not None:
+        out = KVCache()  # type: ignore[no-untyped-call]
+        out.keys, out.values = own_buffers(
+            [keys[..., : cache.offset, :], values[..., : cache.offset, :]]
+        )
+        out.offset = cache.offset
+        return out
+    out = copy.deepcopy(cache)
+    if callable(getattr(out, "compact", None)):  # a cache that compacts itself (DeepSeek-V4's)
+        out.compact()
+        return out
+    state = getattr(out, "state", None)
+    if isinstance(state, list | tuple) and all(a is None or isinstance(a, mx.array) for a in state):
+        copies = iter(own_buffers(a for a in state if a is not None))
+        out.state = [None if a is None else next(copies) for a in state]
     return out
 
 

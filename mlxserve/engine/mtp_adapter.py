@@ -34,7 +34,7 @@ from mlxserve.engine.draft_choice import ChosenRound
 from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.sampling import KeyStream, probabilities, sample, token_id
-from mlxserve.kernels.buffers import own_buffer
+from mlxserve.kernels.buffers import own_buffers
 
 if TYPE_CHECKING:
     from mlxserve.engine.round_costs import RoundCosts
@@ -249,9 +249,12 @@ class MTPAdapter:
         assert isinstance(state, MTPState)
         for cache in (*state.cache, *state.mtp_cache):
             cache.compact()
+        carried = own_buffers(
+            [*([] if state.carry is None else [state.carry]), *state.carry_tokens]
+        )
         if state.carry is not None:
-            state.carry = own_buffer(state.carry)
-        state.carry_tokens = [own_buffer(tokens) for tokens in state.carry_tokens]
+            state.carry, *carried = carried
+        state.carry_tokens = carried
 
     def nbytes(self, state: Any) -> int:
         assert isinstance(state, MTPState)

@@ -7,14 +7,19 @@ as the prefix cache kept the row (measured on the demo with 8 requests decoding
 together: 16 entries counting 398 KB pinned 1.2 MB more)."""
 
 import gc
+from collections.abc import Callable
 
 import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx_lm.models.cache import RotatingKVCache
 
+from mlxserve.engine.adapter import PlainAdapter, PlainState
 from mlxserve.engine.drive import run_until_finished
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.request import GenerationRequest
-from mlxserve.kernels.buffers import own_buffer
+from mlxserve.kernels.buffers import own_buffers
+from mlxserve.models.deepseek_v4.cache import CompressorState, LayerCache
 from mlxserve.models.demo import load_demo
 
 WORDS = ("while", "with", "try", "class", "def", "import", "return", "yield")
@@ -48,13 +53,55 @@ def test_kept_states_hold_no_more_than_they_count() -> None:
     assert mx.get_active_memory() - idle <= 128 * 1024, mx.get_active_memory() - idle
 
 
-def test_an_owned_copy_is_a_copy() -> None:
+def _held_after(make: Callable[[], object]) -> tuple[int, object]:
+    """MLX memory held by what `make` returns, once its sources are gone."""
     gc.collect()
     before = mx.get_active_memory()
-    stack = mx.zeros((8, 4096, 16))
-    mx.eval(stack)
-    row = own_buffer(stack[3:4, 100:110])
-    del stack
+    kept = make()
     gc.collect()
-    assert mx.get_active_memory() - before <= 4 * 1024
-    assert row.shape == (1, 10, 16)
+    return mx.get_active_memory() - before, kept
+
+
+def test_an_owned_copy_is_a_copy() -> None:
+    def make() -> object:
+        stack = mx.zeros((8, 4096, 16))
+        mx.eval(stack)
+        return own_buffers([stack[3:4, 100:110], stack[:, -5:]])
+
+    held, rows = _held_after(make)
+    assert held <= 8 * 1024
+    assert [r.shape for r in rows] == [(1, 10, 16), (8, 5, 16)]  # type: ignore[attr-defined]
+
+
+def test_a_v4_layer_cache_compacts_its_window_and_compressors() -> None:
+    def make() -> object:
+        big = mx.random.normal((1, 8192, 32))
+        mx.eval(big)
+        state = CompressorState(ratio=4, overlap=True)
+        state.raw_kv, state.raw_gate, state.entries = big[:, :6], big[:, 6:12], big[:, 12:20]
+        cache = LayerCache(8, {"compressor": state})
+        cache.window = big[:, -7:]
+        want = [mx.array(a) for a in cache.state]
+        mx.eval(want)
+        cache.compact()
+        assert all(mx.array_equal(a, b) for a, b in zip(cache.state, want, strict=True))
+        return cache
+
+    held, _ = _held_after(make)
+    assert held <= 16 * 1024  # the window, rows and entries: 27 x 32 floats, twice
+
+
+def test_a_plain_rotating_cache_is_kept_at_its_length(llama_model: Module) -> None:
+    adapter = PlainAdapter(llama_model)
+
+    def make() -> object:
+        cache = RotatingKVCache(max_size=4096)  # type: ignore[no-untyped-call]
+        keys = mx.random.normal((1, 2, 12, 64))
+        cache.update_and_fetch(keys, keys)  # allocates a step (256 positions) ahead
+        state = PlainState([cache])
+        adapter.compact(state)
+        return state
+
+    held, state = _held_after(make)
+    assert held <= 2 * 12 * 2 * 64 * 4 + 8 * 1024  # keys and values at 12 positions
+    assert state.cache[0].offset == 12  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from mlxserve.kernels.buffers import own_buffer
+from mlxserve.kernels.buffers import own_buffers
 
 if TYPE_CHECKING:
     from .stacked import StackedRows
@@ -91,12 +91,6 @@ class CompressorState:
             self.raw_kv = self.raw_kv[:, : offset - self.raw_start]
             self.raw_gate = self.raw_gate[:, : offset - self.raw_start]
 
-    def compact(self) -> None:
-        """Each array in a buffer of its own size (`own_buffer`)."""
-        self.raw_kv, self.raw_gate, self.entries = (
-            None if a is None else own_buffer(a) for a in (self.raw_kv, self.raw_gate, self.entries)
-        )
-
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.raw_kv, self.raw_gate, self.entries) if a is not None]
 
@@ -142,13 +136,18 @@ class LayerCache(_BaseCache):
         raise NotImplementedError("Restoring a DeepSeek-V4 layer cache is not supported yet.")
 
     def compact(self) -> None:
-        """Give the window and the compressors' arrays buffers of their own size: the
-        window is a slice of the step's concatenation, and a slice keeps its source's
-        whole buffer alive (see ``ModelAdapter.compact``)."""
-        if self.window is not None:
-            self.window = own_buffer(self.window)
-        for compressor in self.compressors.values():
-            compressor.compact()
+        """Give the window and the compressors' arrays buffers of their own size, copied
+        together: the window is a slice of the step's concatenation, and a slice keeps
+        its source's whole buffer alive (see ``mlxserve.kernels.buffers``)."""
+        slots = [(self, "window")] + [
+            (state, name)
+            for state in self.compressors.values()
+            for name in ("raw_kv", "raw_gate", "entries")
+        ]
+        present = [(holder, name) for holder, name in slots if getattr(holder, name) is not None]
+        copies = own_buffers(getattr(holder, name) for holder, name in present)
+        for (holder, name), copy in zip(present, copies, strict=True):
+            setattr(holder, name, copy)
 
     def is_trimmable(self) -> bool:
         return self.max_rollback > 0

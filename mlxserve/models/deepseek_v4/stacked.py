@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxserve.kernels.buffers import own_buffer
+from mlxserve.kernels.buffers import owned
 
 from .cache import CompressorState, LayerCache
 
@@ -60,8 +60,9 @@ def _rows(array: mx.array | None) -> int:
 
 
 def _slice(view: mx.array, own: bool) -> mx.array:
-    """The view itself, or with ``own`` a copy that does not keep the stack alive."""
-    return own_buffer(view) if own else view
+    """The view itself, or with ``own`` a copy that does not keep the stack alive once
+    evaluated (`StackedRows.write_back` evaluates the row's copies together)."""
+    return owned(view) if own else view
 
 
 def entry_capacity(count: int) -> int:
@@ -213,6 +214,9 @@ class StackedRows:
             name: StackedCompressor([row.compressors[name] for row in rows], self.max_rollback)
             for name in first.compressors
         }
+        # Rows written back with copies of their own since the stack last changed:
+        # a row leaving (`take`) needs no second copy.
+        self._owned: set[int] = set()
         for row in rows:  # stale while stacked: do not hold the state twice
             row.window = None
             for state in row.compressors.values():
@@ -240,6 +244,7 @@ class StackedRows:
         their mask [B, W] (None when every row sees a full window)."""
         window = mx.concatenate([self.window, kv.astype(self.window.dtype)], axis=1)
         self.window = window[:, 1:]
+        self._owned.clear()
         size = self.sliding_window
         keys = window[:, window.shape[1] - size :]
         if min(self.offsets) >= size - 1:
@@ -250,6 +255,7 @@ class StackedRows:
     def advance(self) -> None:
         self.offsets = [offset + 1 for offset in self.offsets]
         self.held = [min(held + 1, self.keep) for held in self.held]
+        self._owned.clear()
 
     def compatible(self, other: StackedRows) -> bool:
         """Whether ``other``'s rows can join these (same layer kind, margin, dtypes)."""
@@ -279,8 +285,9 @@ class StackedRows:
         so the stacked tensors are not kept alive by a row that left)."""
         kept = set(indices)
         for index in range(len(self.rows)):
-            if index not in kept:
+            if index not in kept and index not in self._owned:
                 self.write_back(index, own=True)
+        self._owned.clear()
         rows = mx.array(indices)
         self.window = self.window[rows]
         for stacked in self.compressors.values():
@@ -297,6 +304,9 @@ class StackedRows:
         row.offset = offset
         for name, stacked in self.compressors.items():
             stacked.write_back(index, row.compressors[name], offset, own)
+        if own:
+            mx.eval(row.state)  # the copies, together: unevaluated, they hold the stack
+            self._owned.add(index)
 
     def unstack(self) -> None:
         """Write every row's own ``LayerCache`` back (slices, no copy)."""
