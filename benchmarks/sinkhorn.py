@@ -34,8 +34,8 @@ import mlxserve.models.deepseek_v4.hyper_connections as hyper_connections
 from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.round_costs import measure_round_costs
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
+from mlxserve.hardware.device import on_cpu, on_cuda
 from mlxserve.hardware.probe import benchmark_device
-from mlxserve.kernels.device import on_cpu, on_cuda
 from mlxserve.kernels.sinkhorn import fast_path_agrees, sinkhorn
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -102,10 +102,13 @@ def calibrate(
     """
     import mlx.core as mx
 
-    on_cpu = mx.default_device() == mx.cpu
-    clock_name = "given" if clock is not None else ("process" if on_cpu else "wall")
+    from mlxserve.hardware.clock import cost_clock
+
     if clock is None:
-        clock = time.process_time if on_cpu else time.perf_counter
+        clock = cost_clock()
+        clock_name = "process" if clock is time.process_time else "wall"
+    else:
+        clock_name = "given"
 
     from mlxserve.kernels.timing import (
         random_routing,

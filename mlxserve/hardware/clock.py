@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 def cost_clock() -> Callable[[], float]:
     """`time.process_time` when MLX computes on the CPU, else `time.perf_counter`."""
-    import mlx.core as mx
+    from mlxserve.hardware.device import on_cpu  # MLX loads only when a clock is asked for
 
-    if mx.default_device() == mx.cpu:
+    if on_cpu():
         return time.process_time
     return time.perf_counter
 
@@ -33,6 +33,6 @@ def observed_times_comparable() -> bool:
     calibration's probes are interleaved and agreed within 10% across three runs:
     there only the calibration ranks the depths. A GPU is not shared that way.
     """
-    import mlx.core as mx
+    from mlxserve.hardware.device import on_cpu
 
-    return bool(mx.default_device() != mx.cpu)
+    return not on_cpu()

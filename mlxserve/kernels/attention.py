@@ -16,7 +16,7 @@ queries where the head size and the query heads per KV head fit it, and otherwis
 both ways fall back.
 """
 
-from mlxserve.kernels.device import on_cuda
+from mlxserve.hardware.device import on_cuda
 
 #: Verify forwards of up to this many queries may be split (a depth-7 round).
 MAX_SPLIT_QUERIES = 8

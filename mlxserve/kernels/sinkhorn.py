@@ -31,7 +31,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.deepseek_v41 import _sinkhorn as mlx_lm_sinkhorn
 
-from mlxserve.kernels.device import on_cpu, on_cuda
+from mlxserve.hardware.device import on_cpu, on_cuda
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.models.deepseek_v41 import HyperConnection as V41HyperConnection
 from mlx_lm.models.deepseek_v41 import _sinkhorn
 
-from mlxserve.kernels.device import on_cuda
+from mlxserve.hardware.device import on_cuda
 from mlxserve.kernels.sinkhorn import fast_path_agrees, sinkhorn
 from mlxserve.models.deepseek_v4 import ModelArgs
 from mlxserve.models.deepseek_v4.hyper_connections import HyperConnection

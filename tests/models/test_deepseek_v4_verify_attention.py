@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxserve.hardware.device import on_cuda
 from mlxserve.kernels import attention
-from mlxserve.kernels.device import on_cuda
 from mlxserve.models.deepseek_v4 import Model
 from mlxserve.models.deepseek_v4.cache import RowCaches
 from tests.engine.v4_models import tiny_v4
