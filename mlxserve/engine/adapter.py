@@ -52,25 +52,33 @@ def _is_compact(cache: Any) -> bool:
 
 
 def _compact_copy(cache: Any) -> Any:
-    """A copy of `cache` whose arrays have buffers of their own size (a deep copy alone
-    shares them; `mlxserve.kernels.buffers`); a plain KV cache at its length."""
+    """A copy of `cache`: a plain KV cache at its length, in buffers of its own
+    (`mlxserve.kernels.buffers`); any other cache deep-copied (sharing its buffers)."""
     keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
-    if type(cache) is KVCache and keys is not None and values is not None:
-        out = KVCache()  # type: ignore[no-untyped-call]
-        out.keys, out.values = own_buffers(
-            [keys[..., : cache.offset, :], values[..., : cache.offset, :]]
-        )
-        out.offset = cache.offset
-        return out
-    out = copy.deepcopy(cache)
-    if callable(getattr(out, "compact", None)):  # a cache that compacts itself (DeepSeek-V4's)
-        out.compact()
-        return out
-    state = getattr(out, "state", None)
+    if type(cache) is not KVCache or keys is None or values is None:
+        return copy.deepcopy(cache)
+    out = KVCache()  # type: ignore[no-untyped-call]
+    out.keys, out.values = own_buffers(
+        [keys[..., : cache.offset, :], values[..., : cache.offset, :]]
+    )
+    out.offset = cache.offset
+    return out
+
+
+def _compacted(cache: Any) -> Any:
+    """`cache` in buffers of its own size: a plain KV cache copied at its length (unless
+    it is), a cache that compacts itself (DeepSeek-V4's) compacted, any other cache's
+    flat list of arrays copied in place."""
+    if type(cache) is KVCache:
+        return cache if cache.keys is None or _is_compact(cache) else _compact_copy(cache)
+    if callable(getattr(cache, "compact", None)):
+        cache.compact()
+        return cache
+    state = getattr(cache, "state", None)
     if isinstance(state, list | tuple) and all(a is None or isinstance(a, mx.array) for a in state):
         copies = iter(own_buffers(a for a in state if a is not None))
-        out.state = [None if a is None else next(copies) for a in state]
-    return out
+        cache.state = [None if a is None else next(copies) for a in state]
+    return cache
 
 
 #: positions a plain KV cache grows by past its reservation (mlx-lm grows by 256)
@@ -141,8 +149,7 @@ class PlainAdapter:
 
     def compact(self, state: ModelState) -> None:
         assert isinstance(state, PlainState)
-        state.cache = [c if _is_compact(c) else _compact_copy(c) for c in state.cache]
-        mx.eval([c.state for c in state.cache])
+        state.cache = [_compacted(c) for c in state.cache]
 
     def nbytes(self, state: ModelState) -> int:
         assert isinstance(state, PlainState)

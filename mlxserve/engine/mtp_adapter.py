@@ -249,12 +249,9 @@ class MTPAdapter:
         assert isinstance(state, MTPState)
         for cache in (*state.cache, *state.mtp_cache):
             cache.compact()
-        carried = own_buffers(
-            [*([] if state.carry is None else [state.carry]), *state.carry_tokens]
-        )
         if state.carry is not None:
-            state.carry, *carried = carried
-        state.carry_tokens = carried
+            (state.carry,) = own_buffers([state.carry])
+        state.carry_tokens = own_buffers(state.carry_tokens)
 
     def nbytes(self, state: Any) -> int:
         assert isinstance(state, MTPState)
