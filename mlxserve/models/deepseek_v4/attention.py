@@ -174,16 +174,14 @@ class Attention(Module):
         entries, chosen = None, None
         if self.layer_type != SLIDING:
             entries, chosen = self._compressed(x, q_residual, cache)
-            if entries is not None:
-                entries = entries.astype(keys.dtype)
         cache.advance(length)
         if length == 1:
             # One query sees its whole window and every closed entry, or all its picks
             # (it sees every entry, and there are more than index_topk): no mask.
             if entries is not None:
-                if chosen is not None:
+                if chosen is not None:  # cast after the pick: k entries, not all of them
                     entries = mx.take_along_axis(entries, chosen[:, 0, :, None], axis=1)
-                keys = mx.concatenate([keys, entries], axis=1)
+                keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
             return self._sdpa(q, keys, None)
         if split_queries(length) and (
             chosen is None or (start + 1) // self.ratio >= self.indexer.index_topk
@@ -238,7 +236,7 @@ class Attention(Module):
             seen = mx.take_along_axis(entries, chosen[:, i, :, None], axis=1)
         else:
             seen = entries[:, : (start + 1 + i) // self.ratio]
-        return mx.concatenate([keys, seen], axis=1) if seen.shape[1] else keys
+        return mx.concatenate([keys, seen.astype(keys.dtype)], axis=1) if seen.shape[1] else keys
 
     def _attend_stacked(
         self,
@@ -311,5 +309,5 @@ class Attention(Module):
             extra = mx.broadcast_to(visible, (keys.shape[0], length, entries.shape[1]))
         else:
             extra = selection_mask(chosen, entries.shape[1])
-        keys = mx.concatenate([keys, entries], axis=1)
+        keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
         return keys, mx.concatenate([mask, extra], axis=-1)
