@@ -139,15 +139,14 @@ class LayerCache(_BaseCache):
         """Give the window and the compressors' arrays buffers of their own size, copied
         together: the window is a slice of the step's concatenation, and a slice keeps
         its source's whole buffer alive (see ``mlxserve.kernels.buffers``)."""
-        slots = [(self, "window")] + [
-            (state, name)
-            for state in self.compressors.values()
-            for name in ("raw_kv", "raw_gate", "entries")
-        ]
-        present = [(holder, name) for holder, name in slots if getattr(holder, name) is not None]
-        copies = own_buffers(getattr(holder, name) for holder, name in present)
-        for (holder, name), copy in zip(present, copies, strict=True):
-            setattr(holder, name, copy)
+        copies = iter(own_buffers(self.state))  # the window, then each compressor's arrays
+        if self.window is not None:
+            self.window = next(copies)
+        for state in self.compressors.values():
+            state.raw_kv, state.raw_gate, state.entries = (
+                None if a is None else next(copies)
+                for a in (state.raw_kv, state.raw_gate, state.entries)
+            )
 
     def is_trimmable(self) -> bool:
         return self.max_rollback > 0
