@@ -517,40 +517,9 @@ def describe(config: dict[str, Any], parameters: int) -> str:
 GENERIC = {"qwen3-moe": QWEN3_MOE, "tiny-llama": TINY_LLAMA}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", default="1,2,4,8,16")
-    parser.add_argument("--requests", type=int, default=3, help="per client, one after another")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=3,
-        help="timed runs per level and server, the servers in turn (median reported)",
-    )
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--skip-demo", action="store_true")
-    parser.add_argument(
-        "--generic",
-        choices=sorted(GENERIC),
-        default="qwen3-moe",
-        help="the model both servers serve (default: the issue's 35.8M Qwen3-MoE)",
-    )
-    args = parser.parse_args()
-    levels = [int(n) for n in args.clients.split(",")]
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
-    report: dict[str, Any] = {
-        "machine": benchmark_device_apart(),
-        "settings": {
-            "levels": levels,
-            "requests_per_client": args.requests,
-            "max_tokens": args.max_tokens,
-            "prompt": PROMPT,
-            "greedy": True,
-            "rounds": args.rounds,
-        },
-    }
+def compare_generic(args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
+    """mlxserve against mlx_lm.server on the same generic model, each level's rounds
+    alternating between them, and a greedy check that both give the same texts."""
     config = GENERIC[args.generic]
     parameters = parameter_count(random_model(config))
     with tempfile.TemporaryDirectory() as tmp:
@@ -570,22 +539,65 @@ def main() -> int:
             for server, _ in servers.values():
                 server.stop()
         print("comparison: done", file=sys.stderr)
-        report["comparison"] = {
-            "model": describe(config, parameters),
-            "generic": args.generic,
-            "parameters": parameters,
-            "config": config,
-            "mlxserve_backend": backend,
-            "greedy": {
-                "max_tokens": GREEDY_TOKENS,
-                "agree": greedy["mlxserve"] == greedy["mlx_lm"],
-                "mlxserve": greedy["mlxserve"],
-                "mlx_lm_server": greedy["mlx_lm"],
-            },
-            "mlxserve": results["mlxserve"],
-            "mlx_lm_server": results["mlx_lm"],
-            "ratio_mlxserve_over_mlx_lm": ratios(results["mlxserve"], results["mlx_lm"]),
-        }
+    return {
+        "model": describe(config, parameters),
+        "generic": args.generic,
+        "parameters": parameters,
+        "config": config,
+        "mlxserve_backend": backend,
+        "greedy": {
+            "max_tokens": GREEDY_TOKENS,
+            "agree": greedy["mlxserve"] == greedy["mlx_lm"],
+            "mlxserve": greedy["mlxserve"],
+            "mlx_lm_server": greedy["mlx_lm"],
+        },
+        "mlxserve": results["mlxserve"],
+        "mlx_lm_server": results["mlx_lm"],
+        "ratio_mlxserve_over_mlx_lm": ratios(results["mlxserve"], results["mlx_lm"]),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", default="1,2,4,8,16")
+    parser.add_argument("--requests", type=int, default=3, help="per client, one after another")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timed runs per level and server, the servers in turn (median reported)",
+    )
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--skip-demo", action="store_true")
+    parser.add_argument(
+        "--skip-generic", action="store_true", help="the demo alone (no mlx_lm.server beside it)"
+    )
+    parser.add_argument(
+        "--generic",
+        choices=sorted(GENERIC),
+        default="qwen3-moe",
+        help="the model both servers serve (default: the issue's 35.8M Qwen3-MoE)",
+    )
+    args = parser.parse_args()
+    levels = [int(n) for n in args.clients.split(",")]
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.skip_demo and args.skip_generic:
+        parser.error("--skip-demo and --skip-generic leave nothing to measure")
+    report: dict[str, Any] = {
+        "machine": benchmark_device_apart(),
+        "settings": {
+            "levels": levels,
+            "requests_per_client": args.requests,
+            "max_tokens": args.max_tokens,
+            "prompt": PROMPT,
+            "greedy": True,
+            "rounds": args.rounds,
+        },
+    }
+    if not args.skip_generic:
+        report["comparison"] = compare_generic(args, levels)
     if not args.skip_demo:
         server = mlxserve("demo", free_port())
         try:

@@ -310,12 +310,17 @@ class MTPRowBatch(RowBatch):
         history = mx.concatenate(self._history, axis=1)
         successors = mx.stack(self._fed, axis=1)
         mtp_cache = self.layer_rows([s.mtp_cache[:1] for s in self.states])[0]
-        self.model.mtp_forward(history, successors, mtp_cache, 0)
+        self.model.mtp_fill(history, successors, mtp_cache, 0)
         for index, state in enumerate(self.states):
             state.carry = self._carry[index : index + 1]
             state.carry_tokens = []
         self._history, self._fed, self._carry = [], [], None
-        mx.eval([s.carry for s in self.states], [c.state for s in self.states for c in s.mtp_cache])
+        # Queued, not waited for: a flush comes inside a step, and waiting here would
+        # finish that step's forward before the next one is built (a stalled pipeline
+        # every few steps on a GPU). Queuing still bounds the backlog's lazy graph.
+        mx.async_eval(  # type: ignore[no-untyped-call]
+            [s.carry for s in self.states], [c.state for s in self.states for c in s.mtp_cache]
+        )
 
     def speculate(
         self,
@@ -428,7 +433,7 @@ class MTPRowBatch(RowBatch):
         accepted = [len(tokens) - 1 for tokens in emitted]
         if depth > 0 and any(accepted):
             mtp_rows = self.layer_rows([s.mtp_cache[:1] for s in self.states])[0]
-            self.model.mtp_forward(main_streams[:, :depth], verify[:, 1:], mtp_rows, 0)
+            self.model.mtp_fill(main_streams[:, :depth], verify[:, 1:], mtp_rows, 0)
             for state, count in zip(self.states, accepted, strict=True):
                 trim_exactly(state.mtp_cache[0], depth - count)
         for row, (state, count) in enumerate(zip(self.states, accepted, strict=True)):
@@ -446,7 +451,7 @@ def _fold_carry(model: Any, state: Any) -> None:
     rows = int(state.carry.shape[1]) - 1
     if rows > 0:
         successors = mx.concatenate(state.carry_tokens)[None, :rows]
-        model.mtp_forward(state.carry[:, :rows], successors, state.mtp_cache[0], 0)
+        model.mtp_fill(state.carry[:, :rows], successors, state.mtp_cache[0], 0)
         state.carry = state.carry[:, rows:]
     state.carry_tokens = []
 

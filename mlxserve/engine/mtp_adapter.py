@@ -84,7 +84,8 @@ def trim_exactly(cache: Any, n: int) -> None:
 
 
 class MTPAdapter:
-    """For models with `forward_hidden`, `head_from_streams` and `mtp_forward`."""
+    """For models with `forward_hidden`, `head_from_streams`, `mtp_forward` and
+    `mtp_fill` (the MTP cache entries alone, for positions already decoded)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -114,7 +115,7 @@ class MTPAdapter:
             return
         successors = mx.concatenate(state.carry_tokens)
         if self.model.num_mtp_blocks > 0:
-            self.model.mtp_forward(
+            self.model.mtp_fill(
                 state.carry[:, :rows], successors[None, :rows], state.mtp_cache[0], 0
             )
         state.carry = state.carry[:, rows:]

@@ -160,6 +160,30 @@ class Attention(Module):
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out
 
+    def fill_window(self, x: mx.array, cache: LayerCache | RowCaches) -> None:
+        """Leave in a sliding layer's cache what ``__call__`` on ``x`` would, without
+        attending: the rotated K=V rows of ``x`` [B, S, D] join each row's window.
+
+        A position's K=V row depends on that position's input alone, so a caller that
+        only needs the cache (the MTP entries of positions already decoded) skips the
+        queries, the attention core, which ``RowCaches`` builds row by row, and the
+        output projections. The same ops in the same order as ``__call__``, so the
+        window is the one the full forward leaves."""
+        if self.layer_type != SLIDING:
+            raise ValueError(f"only a sliding layer's cache fills alone, not {self.layer_type}'s")
+        length = x.shape[1]
+        kv = self.norm(self.wkv(x))
+        rows = cache.rows if isinstance(cache, RowCaches) else [cache]
+        if len(rows) != x.shape[0]:
+            raise ValueError(f"{len(rows)} caches for {x.shape[0]} rows")
+        if isinstance(cache, RowCaches):
+            kv = self.rope(kv, offset=mx.array(cache.offsets))
+        else:
+            kv = self.rope(kv, offset=cache.offset)
+        for i, row in enumerate(rows):
+            row.update_window(kv[i : i + 1])
+            row.advance(length)
+
     def _attend(
         self, x: mx.array, q_residual: mx.array, q: mx.array, kv: mx.array, cache: LayerCache
     ) -> mx.array:

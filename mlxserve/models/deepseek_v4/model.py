@@ -31,7 +31,7 @@ from .config import ModelArgs
 from .dspark import drop_draft_head, has_dspark_head
 from .hyper_connections import HyperConnection, HyperHead
 from .moe import MoE
-from .mtp import mtp_forward
+from .mtp import mtp_fill, mtp_forward
 from .sanitize import check_weights, mtp_block_count, sanitize_weights
 from .sharding import shard_model
 from .stacked import StackedRows
@@ -185,6 +185,16 @@ class Model(Module):
     ) -> tuple[mx.array, mx.array]:
         """MTP block ``block``: ``(logits for t + 2, out_streams)``; see ``mtp.mtp_forward``."""
         return mtp_forward(self, streams, next_tokens, cache, block)
+
+    def mtp_fill(
+        self,
+        streams: mx.array,
+        next_tokens: mx.array,
+        cache: LayerCache | RowCaches,
+        block: int = 0,
+    ) -> None:
+        """Only the cache entries of ``mtp_forward``; see ``mtp.mtp_fill``."""
+        mtp_fill(self, streams, next_tokens, cache, block)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Accept the ``transformers`` / DeepSeek layouts (see ``sanitize.py``).

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 
 from .cache import LayerCache, RowCaches
+from .config import SLIDING
 from .stacked import StackedRows
 
 if TYPE_CHECKING:
@@ -63,6 +64,49 @@ def mtp_forward(
             f"streams {streams.shape} and next_tokens {next_tokens.shape} disagree on [B, S]."
         )
     mtp = model.mtp[block]
+    x = _block_input(model, block, streams, next_tokens, cache)
+    out_streams = mtp.decode(x, next_tokens, cache)
+    logits = model.output_head(mtp.norm(mtp.hc_head(out_streams)))
+    return logits, out_streams
+
+
+def mtp_fill(
+    model: Model,
+    streams: mx.array,
+    next_tokens: mx.array,
+    cache: LayerCache | RowCaches,
+    block: int = 0,
+) -> None:
+    """The cache entries ``mtp_forward`` would add, without the rest of the block.
+
+    The engine makes the MTP entries of positions the main model has already decoded
+    (a plain step's carry, a batch's backlog, a verified round's accepted drafts) and
+    reads nothing else of that forward. A sliding-window block's entry at a position
+    is the K=V row of that position's own input, so only the block's input, its
+    attention hyper-connection and norm, and the K=V projection run: not the
+    attention core (row by row for a batch), the MoE, the second hyper-connection or
+    the vocabulary head. MLX would never compute those unread parts, but building
+    their graph costs the host as much as a decode step's layer, and a GPU step of a
+    small model is bound by the host. Other blocks run ``mtp_forward``.
+    """
+    mtp = model.mtp[block]
+    if mtp.attn.layer_type != SLIDING:
+        mtp_forward(model, streams, next_tokens, cache, block)
+        return
+    x = _block_input(model, block, streams, next_tokens, cache)
+    attention_input, _, _ = mtp.hc_attn.enter(x)
+    mtp.attn.fill_window(mtp.attn_norm(attention_input), cache)
+
+
+def _block_input(
+    model: Model,
+    block: int,
+    streams: mx.array,
+    next_tokens: mx.array,
+    cache: LayerCache | RowCaches | StackedRows,
+) -> mx.array:
+    """Block ``block``'s input streams: the main streams and the next token's embedding."""
+    mtp = model.mtp[block]
     length = next_tokens.shape[1]
     embedded = model.model.embed_tokens(next_tokens)
     offsets = cache.offsets if isinstance(cache, RowCaches | StackedRows) else [cache.offset]
@@ -72,10 +116,8 @@ def mtp_forward(
         first = (mx.arange(length) == 0)[None, :, None] & at_zero
         embedded = mx.where(first, mx.zeros_like(embedded), embedded)
     e = mtp.e_proj(mtp.enorm(embedded))
-    x = mtp.h_proj(mtp.hnorm(streams)) + e[:, :, None, :].astype(streams.dtype)
-    out_streams = mtp.decode(x, next_tokens, cache)
-    logits = model.output_head(mtp.norm(mtp.hc_head(out_streams)))
-    return logits, out_streams
+    x: mx.array = mtp.h_proj(mtp.hnorm(streams)) + e[:, :, None, :].astype(streams.dtype)
+    return x
 
 
 def greedy_draft(
