@@ -6,7 +6,6 @@ import uuid
 from typing import Any
 
 from mlxserve.config import Settings
-from mlxserve.engine.drive import run_to_completion
 from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.errors import UsageError
 from mlxserve.server.stops import TextStream
@@ -22,15 +21,18 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
 
 
 def run_generate(settings: Settings, args: argparse.Namespace) -> int:
-    from mlxserve.engine.build import build_engine
-    from mlxserve.policy.build import build_plan
-
     if args.max_tokens < 1:
         raise UsageError("--max-tokens must be >= 1")
     try:
         sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    # After the checks: the engine brings mlx-lm and transformers (seconds to import),
+    # and a bad flag is answered before anything starts.
+    from mlxserve.engine.build import build_engine
+    from mlxserve.engine.drive import run_to_completion
+    from mlxserve.policy.build import build_plan
+
     plan, membership = build_plan(settings)
     plan.ensure_startable()
     engine, loaded = build_engine(settings, plan, membership.rank)
