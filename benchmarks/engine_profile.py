@@ -14,7 +14,12 @@ gain only what the host leaves them. This runs the engine in this one process, a
 - the engine's MLX memory: the weights as MLX holds them (``active_after_load``)
   against their ``nbytes``, and the level's peak.
 
+``--ab-fill`` also times, interleaved with the engine as it is, the engine building the
+MTP entries of decoded positions with a whole MTP forward (``mtp_forward``) instead of
+``mtp_fill``, as it did before, and reports the paired ratios per level.
+
 Run: python benchmarks/engine_profile.py [--levels 1,8] [--tokens 64] [--repeats 3]
+[--ab-fill]
 """
 
 import argparse
@@ -106,12 +111,47 @@ def profile_run(engine: Any, clients: int, tokens: int, context: int) -> dict[st
     }
 
 
+@contextmanager
+def whole_forward_fill(model: Any) -> Iterator[None]:
+    """The MTP entries of decoded positions made by a whole MTP forward, as before."""
+
+    def forward(streams: Any, tokens: Any, cache: Any, block: int = 0) -> None:
+        model.mtp_forward(streams, tokens, cache, block)
+
+    model.mtp_fill = forward
+    try:
+        yield
+    finally:
+        del model.mtp_fill
+
+
+def ab_fill(model: Any, engine: Any, levels: list[int], args: Any) -> dict[str, Any]:
+    """Per level, tok/s with ``mtp_fill`` and with the whole forward, alternating, and
+    the median of the repeats' paired ratios (fill over forward)."""
+    out: dict[str, Any] = {}
+    for n in levels:
+        fill, forward = [], []
+        for _ in range(args.repeats):
+            fill.append(engine_rate(engine, n, args.tokens, args.context))
+            with whole_forward_fill(model):
+                forward.append(engine_rate(engine, n, args.tokens, args.context))
+        out[str(n)] = {
+            "fill_tok_s": fill,
+            "forward_tok_s": forward,
+            "fill_over_forward": statistics.median(
+                a / b for a, b in zip(fill, forward, strict=True)
+            ),
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", default="1,8", help="comma-separated request counts")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
     parser.add_argument("--context", type=int, default=40, help="the shortest prompt")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ab-fill", action="store_true", help="pair mtp_fill with mtp_forward")
     args = parser.parse_args()
     configure_cuda_graphs()  # as the CLI does, before any device work
     levels = [int(n) for n in args.levels.split(",")]
@@ -133,6 +173,8 @@ def main() -> None:
     engine = demo_engine(model, max(levels))
     for n in levels:  # untimed: calibration, and kernels compile on a shape's first use
         engine_rate(engine, n, 8, args.context)
+    if args.ab_fill:
+        result["ab_fill"] = ab_fill(model, engine, levels, args)
     for n in levels:
         rates = [engine_rate(engine, n, args.tokens, args.context) for _ in range(args.repeats)]
         mx.reset_peak_memory()
