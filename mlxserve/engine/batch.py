@@ -254,13 +254,14 @@ class MTPRowBatch(RowBatch):
     While rows decode in the batch nobody drafts, so the MTP block does not run per
     step: each step only records what its cache entries are built from (the streams
     carried into the step and the token fed). ``flush`` builds those entries for
-    every row in one MTP forward over the backlog, which restores the state
+    every row at once over the backlog (``mtp_fill``: the block's K=V rows, not its
+    whole forward), which restores the state
     invariant of ``mtp_adapter`` (the MTP cache holds every position but the last,
     ``carry`` is the last position's streams) before a row leaves or the batch
     changes, and every ``MAX_BACKLOG`` steps, or sooner when the backlog holds
     ``MAX_BACKLOG_TOKENS`` (rows x steps): a flush's activations grow with the tokens
-    it runs, and at 8 rows a 16-step flush held 0.8 MB on the demo, a quarter of its
-    weights, for caches of 0.3 MB.
+    it runs (when a flush ran the whole block, a 16-step one at 8 rows held 0.8 MB on
+    the demo, a quarter of its weights, for caches of 0.3 MB).
     """
 
     MAX_BACKLOG = 16

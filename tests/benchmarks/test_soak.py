@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_one_minute_soak_loses_nothing(tmp_path: Path) -> None:
+def test_half_minute_soak_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     command = [sys.executable, "benchmarks/soak.py", "--minutes", "0.5", "--fault-every-s", "6"]
     result = subprocess.run(

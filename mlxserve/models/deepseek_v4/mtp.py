@@ -85,9 +85,10 @@ def mtp_fill(
     is the K=V row of that position's own input, so only the block's input, its
     attention hyper-connection and norm, and the K=V projection run: not the
     attention core (row by row for a batch), the MoE, the second hyper-connection or
-    the vocabulary head. MLX would never compute those unread parts, but building
-    their graph costs the host as much as a decode step's layer, and a GPU step of a
-    small model is bound by the host. Other blocks run ``mtp_forward``.
+    the vocabulary head. MLX never computes those unread parts, so what this saves
+    is building their graph on the host (for a batch, the attention core once per
+    row); on the H200 the demo engine's rate did not change beyond noise
+    (``benchmarks/engine_profile.py --ab-fill``). Other blocks run ``mtp_forward``.
     """
     mtp = model.mtp[block]
     if mtp.attn.layer_type != SLIDING:
