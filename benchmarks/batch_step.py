@@ -17,6 +17,10 @@ kernel (views such as reshapes and slices left out; ``top`` lists the commonest 
 the last counted step). A GPU at these sizes is bound by launches, so the primitive counts say more
 about the gain there than a CPU's timings do.
 
+Per path it also reports MLX's peak over ``--steps`` steps above the memory held before
+them (``step_peak_over_held_bytes_synced`` / ``_pipelined``): what a step's activations
+add, with each step evaluated alone and queued as the engine queues them.
+
 Then the same comparison through the engine (``engine``): 1 / 2 / 4 / 8 requests of
 ``--engine-tokens`` greedy tokens at once, served as ``mlxserve serve`` serves the
 demo (MTP at the default depth: a lone request drafts, two draft together, more
@@ -132,6 +136,24 @@ def run_steps(runner: Any, tokens: mx.array, steps: int) -> tuple[float, mx.arra
         tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
         mx.eval(tokens, runner.arrays())
     return (CLOCK[0]() - start) / steps, tokens
+
+
+def step_memory(runner: Any, tokens: mx.array, steps: int, pipelined: bool) -> tuple[int, mx.array]:
+    """MLX's peak over ``steps`` greedy steps, above what was held before them: each
+    step evaluated before the next is built, or (``pipelined``, as the engine decodes)
+    the next step queued before the current one's tokens are read."""
+    mx.eval(tokens, runner.arrays())
+    held = int(mx.get_active_memory())
+    mx.reset_peak_memory()
+    for _ in range(steps):
+        logits = runner.step(tokens)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        if pipelined:
+            mx.async_eval(tokens, runner.arrays())  # type: ignore[no-untyped-call]
+        else:
+            mx.eval(tokens, runner.arrays())
+    mx.eval(tokens, runner.arrays())
+    return int(mx.get_peak_memory()) - held, tokens
 
 
 @contextmanager
@@ -278,6 +300,11 @@ def main() -> None:
         for name in runners:
             step_s = statistics.median(times[name])
             entry[name] = {"step_ms": 1000 * step_s, "tok_s": batch / step_s, **counts[name]}
+            for mode in ("synced", "pipelined"):
+                extra, tokens[name] = step_memory(
+                    runners[name], tokens[name], args.steps, mode == "pipelined"
+                )
+                entry[name][f"step_peak_over_held_bytes_{mode}"] = extra
         entry["stacked_speedup"] = entry["per_row"]["step_ms"] / entry["stacked"]["step_ms"]
         entry["kernels_per_row_over_stacked"] = (
             entry["per_row"]["kernels"] / entry["stacked"]["kernels"]
