@@ -1,16 +1,18 @@
 """Where an engine step's host time goes, on the demo model; prints one JSON document.
 
-On a GPU the demo is bound by the host: building a step's lazy graph and the engine's
-own bookkeeping take about as long as the device's work, so batching and speculation
-gain only what the host leaves them. This runs the engine in this one process, as
+On a GPU the demo's steps are small: the host's work per step (the engine's Python,
+building the lazy graph, MLX encoding it) is what batching and speculation have to
+beat, so this shows where it goes. This runs the engine in this one process, as
 ``batch_step.py``'s engine part does (requests submitted at once, greedy, served as
 ``mlxserve serve`` serves the demo), and for each level:
 
 - aggregate tok/s (median over ``--repeats`` runs) and where the engine's time went,
-  from ``cProfile`` over one more run: the calls that wait for the device
-  (``tolist``, ``item``, ``mx.eval``; on a CPU they also compute the graph), the
+  from ``cProfile`` over one more run: the time inside MLX's blocking calls
+  (``tolist``, ``item``, ``mx.eval``, ``mx.async_eval``: waiting for the device, and
+  MLX's own encoding of the graph on a GPU; the computation itself on a CPU) against
+  the rest (``host_s``: the engine's Python, building the graph included), the
   engine's phases by their cumulative time (prefill, decode steps, speculative
-  rounds, the MTP backlog's flushes), and the top functions by own time;
+  rounds, the MTP backlog's flushes, scheduling), and the top functions by own time;
 - the engine's MLX memory: the weights as MLX holds them (``active_after_load``)
   against their ``nbytes``, and the level's peak.
 
@@ -47,7 +49,7 @@ PHASES = {
     "speculate_batch": ("engine/runner.py", "_speculate_all"),
     "mtp_flush": ("engine/batch.py", "flush"),
     "emit": ("engine/engine.py", "_emit"),
-    "schedule": ("engine/scheduler.py", "plan"),
+    "schedule": ("engine/scheduler.py", "next_step"),
 }
 #: MLX calls that block until the device has computed what they read (``async_eval``
 #: only queues on a GPU, but computes the whole graph before it returns on a CPU)
