@@ -57,6 +57,13 @@ def selection_mask(chosen: mx.array, num_entries: int) -> mx.array:
     return mask[..., :num_entries]
 
 
+def rope_offset(cache: LayerCache | RowCaches | StackedRows) -> int | mx.array:
+    """Where a forward's rotations start: the cache's offset, or each row's ([B])."""
+    if isinstance(cache, RowCaches | StackedRows):
+        return mx.array(cache.offsets)
+    return cache.offset
+
+
 class Attention(Module):
     """One attention block; parameter names follow DeepSeek's checkpoint."""
 
@@ -119,25 +126,22 @@ class Attention(Module):
         q = self.wq_b(q_residual).reshape(batch, length, self.num_heads, self.head_dim)
         q = mx.fast.rms_norm(q, None, self.eps).swapaxes(1, 2)  # [B, H, S, D]
         kv = self.norm(self.wkv(x))  # [B, S, D]
+        if isinstance(cache, StackedRows) and (length != 1 or len(cache) != batch):
+            raise ValueError(
+                f"stacked rows take one token for each of their {len(cache)} rows; "
+                f"got {batch} rows of {length}"
+            )
+        offset = rope_offset(cache)
+        q = self.rope(q, offset=offset)
+        kv = self.rope(kv, offset=offset)
         if isinstance(cache, StackedRows):
             # One token per row: the whole batch's core at once (see ``stacked.py``).
-            if length != 1 or len(cache) != batch:
-                raise ValueError(
-                    f"stacked rows take one token for each of their {len(cache)} rows; "
-                    f"got {batch} rows of {length}"
-                )
-            offsets = mx.array(cache.offsets)
-            q = self.rope(q, offset=offsets)
-            kv = self.rope(kv, offset=offsets)
-            attended = self._attend_stacked(x, q_residual, q, kv, cache, offsets)
-            out = self.rope(attended, offset=offsets, inverse=True).swapaxes(1, 2)
+            assert isinstance(offset, mx.array)
+            attended = self._attend_stacked(x, q_residual, q, kv, cache, offset)
         elif isinstance(cache, RowCaches):
             # Each row at its own position: the cache-dependent core row by row; the
             # projections and rotations (at per-row offsets) once for the whole batch.
             assert len(cache.rows) == batch
-            offsets = mx.array(cache.offsets)
-            q = self.rope(q, offset=offsets)
-            kv = self.rope(kv, offset=offsets)
             attended = mx.concatenate(
                 [
                     self._attend(
@@ -146,13 +150,9 @@ class Attention(Module):
                     for i, row in enumerate(cache.rows)
                 ]
             )
-            out = self.rope(attended, offset=offsets, inverse=True).swapaxes(1, 2)
         else:
-            start = cache.offset
-            q = self.rope(q, offset=start)
-            kv = self.rope(kv, offset=start)
             attended = self._attend(x, q_residual, q, kv, cache)
-            out = self.rope(attended, offset=start, inverse=True).swapaxes(1, 2)
+        out = self.rope(attended, offset=offset, inverse=True).swapaxes(1, 2)
         out = out.reshape(batch * length, self.o_groups, 1, -1)
         out = self.wo_a(out, self._group_ids)
         out = self.wo_b(out.reshape(batch, length, -1))
@@ -172,14 +172,10 @@ class Attention(Module):
         if self.layer_type != SLIDING:
             raise ValueError(f"only a sliding layer's cache fills alone, not {self.layer_type}'s")
         length = x.shape[1]
-        kv = self.norm(self.wkv(x))
         rows = cache.rows if isinstance(cache, RowCaches) else [cache]
         if len(rows) != x.shape[0]:
             raise ValueError(f"{len(rows)} caches for {x.shape[0]} rows")
-        if isinstance(cache, RowCaches):
-            kv = self.rope(kv, offset=mx.array(cache.offsets))
-        else:
-            kv = self.rope(kv, offset=cache.offset)
+        kv = self.rope(self.norm(self.wkv(x)), offset=rope_offset(cache))
         for i, row in enumerate(rows):
             row.update_window(kv[i : i + 1])
             row.advance(length)
