@@ -1,8 +1,6 @@
 """`python -m mlxserve`, the same as the `mlxserve` command."""
 
-import sys
-
-from mlxserve.cli import main
+from mlxserve.cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

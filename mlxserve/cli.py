@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from mlxserve.errors import UsageError
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
+from mlxserve.torchless import hide_torch
 
 EXIT_USAGE = 2
 
@@ -345,4 +346,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.exit(main())
+
+
+def entry() -> NoReturn:
+    """The ``mlxserve`` program (and ``python -m mlxserve``): `main` in a process that
+    keeps PyTorch out (`mlxserve.torchless`); tests call `main` in their own process."""
+    hide_torch()
     sys.exit(main())

@@ -1,6 +1,6 @@
 """The engine process: one engine behind a unix socket, serving the front process.
 
-    python -m mlxserve.engine.process --socket PATH [--config F] [--model M]
+    python -m mlxserve.engine --socket PATH [--config F] [--model M]
                                       [--policy KEY=VALUE ...]
 
 Settings come from the config file, `MLXSERVE_*` variables and these flags,
@@ -68,7 +68,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m mlxserve.engine.process", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="python -m mlxserve.engine", description=__doc__.split("\n")[0])
     parser.add_argument("--socket", type=Path, required=True, help="unix socket path to create")
     parser.add_argument("--config", type=Path, help="config file (TOML)")
     parser.add_argument("--model", help="model directory or 'demo' (default: from config)")

@@ -73,7 +73,7 @@ def build_tiny_model(directory: Path) -> Path:
 
 
 class EngineProcess:
-    """A running `python -m mlxserve.engine.process` and one connection to it."""
+    """A running `python -m mlxserve.engine` and one connection to it."""
 
     def __init__(
         self,
@@ -85,7 +85,7 @@ class EngineProcess:
     ) -> None:
         self.socket_path = tmp / "sock" / "engine.sock"
         self.stderr_path = tmp / "engine.stderr"
-        command = [sys.executable, "-m", "mlxserve.engine.process"]
+        command = [sys.executable, "-m", "mlxserve.engine"]
         command += ["--socket", str(self.socket_path), "--model", str(model)]
         for item in policy:
             command += ["--policy", item]

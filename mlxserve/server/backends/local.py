@@ -163,7 +163,7 @@ class LocalEngine(Backend):
         self._dir = Path(tempfile.mkdtemp(prefix="mlxserve-engine-"))  # mode 0700
         socket_path = self._dir / "engine.sock"
         env = self.child_env()
-        command = [self._python, "-m", "mlxserve.engine.process", "--socket", str(socket_path)]
+        command = [self._python, "-m", "mlxserve.engine", "--socket", str(socket_path)]
         if self._launcher is not None:
             command = [*self._launcher(env), "--", *command]
         self._proc = await asyncio.create_subprocess_exec(
