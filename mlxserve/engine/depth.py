@@ -10,11 +10,12 @@ decoding.
 Estimates start from a prior (what earlier requests on this engine accepted; for a
 position no request reached yet, the position before it, discounted) and move to the
 request's own counts. A request decoding plainly probes depth 1 now and then (often
-while depth 1 is estimated near break-even), so an acceptance that rises is
-noticed. One that speculates drafts one deeper now and then, but only while that
-position's acceptance or that depth's round time is still unknown, and only if the
-estimate puts it near the chosen depth: once measured, or estimated far worse,
-exploring would only cost rounds at a depth judged worse.
+while depth 1 is estimated near break-even, less and less often while it is far
+below), so an acceptance that rises is noticed. One that speculates drafts one
+deeper now and then, but only while that position's acceptance or that depth's
+round time is still unknown, and only if the estimate puts it near the chosen
+depth: once measured, or estimated far worse, exploring would only cost rounds at
+a depth judged worse.
 Round costs start from a calibration (`round_costs.measure_round_costs`), its
 probes interleaved so they compare like with like, and on a GPU follow the round
 times the engine observes; timed by `mlxserve.hardware.clock` (CPU time on a CPU
@@ -54,6 +55,14 @@ PROBE_EVERY = 32
 #: it is near break-even, by definition.
 PROBE_NEAR_EVERY = 8
 PROBE_NEAR_WITHIN = 0.85
+#: Each far probe that leaves a request plain doubles the wait before its next one, up
+#: to PROBE_EVERY << MAX_PROBE_BACKOFF steps (256). A probe costs more than its round:
+#: on the H200 it drains the pipeline and the plain step after it starts it again,
+#: about one plain step more than its tokens (`benchmarks/plain_paths.py`: probes
+#: 9-12 ms and the steps after them 8-12 ms, against 4-5 ms plain steps), so demo
+#: prompts whose drafts did not pay, probing every 32 steps, ran 1-6 % below depth 0.
+#: Near break-even probes stay frequent: there a probe may well turn drafting on.
+MAX_PROBE_BACKOFF = 3
 #: A request decoding plainly reconsiders its choice every this many plain steps (a
 #: decision per step would add host work to every plain step).
 RECHECK_EVERY = 8
@@ -199,10 +208,17 @@ class DepthChooser:
         return self.pick(stats, plain_streak, None, batch_size)[0]
 
     def pick(
-        self, stats: SpeculativeStats, plain_streak: int, current: int | None, batch_size: int = 1
+        self,
+        stats: SpeculativeStats,
+        plain_streak: int,
+        current: int | None,
+        batch_size: int = 1,
+        probes: int = 0,
     ) -> tuple[int, int]:
-        """(depth to run now, depth chosen): they differ on a probe or an exploration."""
-        if current == 0 and plain_streak < PROBE_EVERY and plain_streak % RECHECK_EVERY:
+        """(depth to run now, depth chosen): they differ on a probe or an exploration.
+        ``probes``: the probes the request made since it last chose to draft (each
+        left it decoding plainly), which space out its next far probe."""
+        if current == 0 and plain_streak % RECHECK_EVERY:
             return 0, 0
         acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)
         costs = self.costs()
@@ -212,7 +228,7 @@ class DepthChooser:
                 return 1, 0
             plain_rate = max(batch_size, 1) / costs.round(0)
             near = expected_tokens(acceptance, 1) / costs.round(1) >= PROBE_NEAR_WITHIN * plain_rate
-            every = PROBE_NEAR_EVERY if near else PROBE_EVERY
+            every = PROBE_NEAR_EVERY if near else PROBE_EVERY << min(probes, MAX_PROBE_BACKOFF)
             return (1 if plain_streak >= every else 0), 0
         rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
         deeper = depth + 1

@@ -355,9 +355,14 @@ class Engine:
             return sequence.depth
         if self.chooser is None:
             return min(SEEDED_DEPTH, sequence.depth)
-        depth, sequence.chosen_depth = self.chooser.pick(
-            sequence.stats, sequence.plain_streak, sequence.chosen_depth
+        depth, chosen = self.chooser.pick(
+            sequence.stats, sequence.plain_streak, sequence.chosen_depth, probes=sequence.probes
         )
+        if chosen > 0:
+            sequence.probes = 0
+        elif depth > 0 and sequence.plain_streak > 0:
+            sequence.probes += 1  # a probe from plain decoding starts
+        sequence.chosen_depth = chosen
         return min(depth, sequence.depth)
 
     def _run(self, plan: StepPlan) -> None:

@@ -5,6 +5,7 @@ import pytest
 from mlxserve.engine.depth import (
     EXPLORE_EVERY,
     EXPLORED_ROUNDS,
+    MAX_PROBE_BACKOFF,
     MIN_OBSERVED,
     PROBE_EVERY,
     PROBE_NEAR_EVERY,
@@ -203,6 +204,28 @@ def test_a_plain_request_near_break_even_probes_often() -> None:
         rejected.record(1, 0)
     assert far.pick(rejected, plain_streak=PROBE_NEAR_EVERY, current=0) == (0, 0)
     assert far.pick(rejected, plain_streak=PROBE_EVERY, current=0) == (1, 0)
+
+
+def test_far_probes_that_leave_a_request_plain_space_out() -> None:
+    """Each far probe that kept the request plain doubles the wait for the next one,
+    up to MAX_PROBE_BACKOFF doublings; near break-even probes do not back off."""
+    far = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    rejected = SpeculativeStats()
+    for _ in range(200):
+        rejected.record(1, 0)
+    for probes in range(MAX_PROBE_BACKOFF + 3):
+        wait = PROBE_EVERY << min(probes, MAX_PROBE_BACKOFF)
+        before = far.pick(rejected, plain_streak=wait - RECHECK_EVERY, current=0, probes=probes)
+        assert before == (0, 0)
+        assert far.pick(rejected, plain_streak=wait, current=0, probes=probes) == (1, 0)
+    near = DepthChooser(max_depth=5, calibrated=CLOSE)
+    for _ in range(1 + MIN_OBSERVED):
+        near.observe(0, 1.0)
+        near.observe(1, 1.5)
+    middling = SpeculativeStats()
+    for kept in (1, 0) * 20:
+        middling.record(1, kept)
+    assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0, probes=9) == (1, 0)
 
 
 def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:

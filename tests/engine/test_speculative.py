@@ -4,9 +4,11 @@ import mlx.core as mx
 import pytest
 from mlx.nn.layers.base import Module
 
+from mlxserve.engine.depth import DepthChooser
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.engine.round_costs import RoundCosts
 from tests.engine.drive import run
 from tests.engine.v4_models import tiny_v4
 
@@ -65,6 +67,23 @@ def test_automatic_depth_keeps_the_output(v4: Module, temperature: float) -> Non
         assert finish.speculative["depth"] == 2 and "2" in chosen  # the last may be cut
         again, _ = run(engine, GenerationRequest("b", PROMPT, 40, sampling))["b"]
         assert len(tokens) == 40 and again == tokens
+
+
+def test_a_plain_request_probes_less_and_less_while_probes_fail(v4: Module) -> None:
+    """Depth 1 priced far out (dear rounds, earlier requests' drafts all rejected): a
+    request decodes plainly and probes after 32, 64 more, 128 more... plain steps
+    (`MAX_PROBE_BACKOFF`), not every 32 (six probes in 200 tokens); output unchanged."""
+    engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
+    dear = RoundCosts(plain=1.0, verify={k: 1.0 + 0.3 * k for k in range(1, 6)}, draft=0.33)
+    chooser = DepthChooser(max_depth=5, calibrated=dear, follow_observed=False)
+    for _ in range(200):
+        chooser.record(1, 0)
+    engine.chooser = engine.runner.chooser = chooser
+    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 200))["a"]
+    assert tokens == plain_greedy(v4, PROMPT, 200)
+    assert finish.speculative is not None
+    # Two probes (after 32 plain steps, then 64 more); every 32 steps it was six.
+    assert finish.speculative["depths_chosen"]["1"] == 2
 
 
 def test_prefix_cache_hit_keeps_speculation_exact(v4: Module) -> None:
