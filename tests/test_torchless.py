@@ -40,13 +40,3 @@ def test_transformers_sees_no_torch_once_hidden() -> None:
 def test_the_opt_out_lets_transformers_import_torch() -> None:
     pytest.importorskip("torch")
     assert _probe(MLXSERVE_IMPORT_TORCH="1") == [True, True]
-
-
-@pytest.mark.torch
-def test_a_torch_imported_already_stays() -> None:
-    pytest.importorskip("torch")
-    code = "import torch\n" + PROBE
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, True]

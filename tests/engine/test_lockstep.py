@@ -140,7 +140,13 @@ def test_two_ranks_serve_in_lockstep(tmp_path: Path) -> None:
     from mlxserve.models.demo.build import build_demo_model
 
     path = build_demo_model(tmp_path / "demo", progress=False)
-    command = [sys.executable, "-m", "tests.engine.lockstep_worker", str(path)]
+    command = [
+        sys.executable,
+        "-m",
+        "tests.torchless_run",
+        "tests.engine.lockstep_worker",
+        str(path),
+    ]
     runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=150, cwd=REPO)
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]

@@ -71,18 +71,18 @@ def test_automatic_depth_keeps_the_output(v4: Module, temperature: float) -> Non
 
 def test_a_plain_request_probes_less_and_less_while_probes_fail(v4: Module) -> None:
     """Depth 1 priced far out (dear rounds, earlier requests' drafts all rejected): a
-    request decodes plainly and probes after 32, 64 more, 128 more... plain steps
-    (`MAX_PROBE_BACKOFF`), not every 32 (six probes in 200 tokens); output unchanged."""
+    request decodes plainly and probes after 32 plain steps, then after 64 more
+    (`MAX_PROBE_BACKOFF`), not every 32 (four probes in 140 tokens); output unchanged."""
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
     dear = RoundCosts(plain=1.0, verify={k: 1.0 + 0.3 * k for k in range(1, 6)}, draft=0.33)
     chooser = DepthChooser(max_depth=5, calibrated=dear, follow_observed=False)
     for _ in range(200):
         chooser.record(1, 0)
     engine.chooser = engine.runner.chooser = chooser
-    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 200))["a"]
-    assert tokens == plain_greedy(v4, PROMPT, 200)
+    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 140))["a"]
+    plain = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth=0))
+    assert tokens == run(plain, GenerationRequest("b", PROMPT, 140))["b"][0]
     assert finish.speculative is not None
-    # Two probes (after 32 plain steps, then 64 more); every 32 steps it was six.
     assert finish.speculative["depths_chosen"]["1"] == 2
 
 

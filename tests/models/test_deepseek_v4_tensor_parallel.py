@@ -14,6 +14,8 @@ import pytest
 from tests.ring import RankRun, run_ring_ranks
 
 REPO = Path(__file__).resolve().parents[2]
+#: A rank of these tests, started without PyTorch (`tests.torchless_run`).
+WORKER = [sys.executable, "-m", "tests.torchless_run", "tests.models.tp_worker"]
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +38,7 @@ def _check(runs: list[RankRun], size: int) -> None:
     ("size", "quantized"), [(2, False), (4, False), (2, True)], ids=["2", "4", "2-quantized"]
 )
 def test_sharded_logits_match_the_whole_model(size: int, quantized: bool, tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "tests.models.tp_worker"]
+    command = list(WORKER)
     if quantized:
         command.append("--quantize")
     env = {"OMP_NUM_THREADS": "1"}
@@ -49,7 +51,7 @@ def test_sharded_load_of_the_demo_checkpoint(tmp_path: Path) -> None:
     from mlxserve.models.demo.build import build_demo_model
 
     path = build_demo_model(tmp_path / "demo", progress=False)
-    command = [sys.executable, "-m", "tests.models.tp_worker", "--checkpoint", str(path)]
+    command = [*WORKER, "--checkpoint", str(path)]
     runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=120, cwd=REPO)
     _check(runs, 2)
     # The loader's per-rank memory figure (headers + ``is_sharded``) is what a rank holds.
@@ -69,7 +71,7 @@ def test_sharded_load_of_a_published_flash_checkpoint(tmp_path: Path) -> None:
     path = write_checkpoint(tmp_path / "flash", config_for("flash"), build("flash").tensors)
     for name in TOKENIZER_FILES:  # ``load`` wants a tokenizer; any will do here
         shutil.copyfile(WEIGHTS_DIR / name, path / name)
-    command = [sys.executable, "-m", "tests.models.tp_worker", "--checkpoint", str(path)]
+    command = [*WORKER, "--checkpoint", str(path)]
     runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=120, cwd=REPO)
     _check(runs, 2)
     for run in runs:
@@ -109,7 +111,7 @@ def test_an_uneven_split_loads_its_share_and_decodes_as_one_rank(tmp_path: Path)
     quantize(model, 32, 4, class_predicate=lambda p, m: isinstance(m, SwitchLinear))
     quantization = {"group_size": 32, "bits": 4, "mode": "affine"}
     path = save_checkpoint(model, tmp_path / "tp", quantization)
-    command = [sys.executable, "-m", "tests.models.tp_worker", "--checkpoint", str(path)]
+    command = [*WORKER, "--checkpoint", str(path)]
     command += ["--split", "3,1"]
     runs = run_ring_ranks(command, [{"OMP_NUM_THREADS": "1"}] * 2, tmp_path, timeout=120, cwd=REPO)
     _check(runs, 2)

@@ -118,12 +118,13 @@ def test_mtp_acceptance_on_heldout(loaded: tuple[Any, Any]) -> None:
     """The issue's target: depth-1 greedy acceptance >= 0.6 on held-out prompts.
 
     The shipped weights measure 0.727 on 48 held-out prompts (weights/training.json);
-    this checks 24 of them, and that the main model has not bought its acceptance by
-    collapsing into loops (distinct 4-grams 0.96 before the agreement phase, 0.88 after).
+    this checks 12 of them (0.77 over 328 drafts), and that the main model has not
+    bought its acceptance by collapsing into loops (distinct 4-grams 0.96 before the
+    agreement phase, 0.88 after).
     """
     model, tokenizer = loaded
-    samples = eval_samples(split()[1], 24)
+    samples = eval_samples(split()[1], 12)
     result = heldout_acceptance(model, tokenizer, samples, max_new=32)
-    assert result.trials[0] >= 500
+    assert result.trials[0] >= 300
     assert result.rates[0] >= 0.6, result
     assert heldout_distinct_ngrams(model, tokenizer, samples[::2]) >= 0.8
