@@ -1,7 +1,7 @@
 """Soak: the bug report's rotation against a live server with a standby, under random faults.
 
     python benchmarks/soak.py [--minutes 10] [--fault-every-s 12] [--group] [--seed 0]
-                              [--out soak.json]
+                              [--settle-s 15] [--out soak.json]
 
 It starts `mlxserve` (the demo model, MTP depth 5) with a primary engine, or with
 `--group` a primary group of two ring ranks on loopback, and a standby engine,
@@ -58,9 +58,10 @@ FAULTS = ("kill", "hang", "crash")
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "crash": signal.SIGABRT}
 MEMORY_EVERY_S = 5.0
 #: How long the last fault's incident may take to be recorded once the rotation ends
-#: (a frozen engine with no request in flight is found by two failed probes). A fault
-#: injected into an engine that was already restarting records none, so this is also
-#: what such a run waits for nothing: kept short (CI runs this soak).
+#: (a frozen engine with no request in flight is found by two failed probes), the
+#: default of ``--settle-s``. A fault that records none (a second SIGSTOP before the
+#: first was declared, a fault on an engine already restarting) makes the run wait
+#: all of it: CI's short soak, which only needs one incident, passes 0.
 INCIDENT_SETTLE_S = 15.0
 
 
@@ -316,7 +317,9 @@ def sample_memory(server: Server, stop: threading.Event) -> list[tuple[float, fl
     return samples
 
 
-def soak(minutes: float, every_s: float, group: bool, seed: int) -> dict[str, Any]:
+def soak(
+    minutes: float, every_s: float, group: bool, seed: int, settle_s: float = INCIDENT_SETTLE_S
+) -> dict[str, Any]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="mlxserve-soak-") as tmp:
         server = Server(Path(tmp), group)
@@ -338,7 +341,7 @@ def soak(minutes: float, every_s: float, group: bool, seed: int) -> dict[str, An
             stop.set()
             elapsed = time.monotonic() - began
             injector.join(30)  # a fault it was injecting as the rotation ended counts too
-            incidents = server.incidents(len(faults), INCIDENT_SETTLE_S)
+            incidents = server.incidents(len(faults), settle_s)
             failovers = server.metric("mlxserve_failovers_total")
         finally:
             code = server.stop()
@@ -376,9 +379,17 @@ def main() -> None:
     )
     parser.add_argument("--group", action="store_true", help="primary: 2 ring ranks on loopback")
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument(
+        "--settle-s",
+        type=float,
+        default=INCIDENT_SETTLE_S,
+        help="at the end, how long to wait for the faults' incidents (default: 15)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
-    report = soak(args.minutes, args.fault_every_s, args.group, args.seed)
+    if args.minutes <= 0 or args.fault_every_s <= 0 or args.settle_s < 0:
+        parser.error("--minutes and --fault-every-s must be > 0, --settle-s >= 0")
+    report = soak(args.minutes, args.fault_every_s, args.group, args.seed, args.settle_s)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:

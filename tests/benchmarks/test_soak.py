@@ -1,8 +1,9 @@
-"""CI's half-minute soak: `benchmarks/soak.py` against a live server with a standby.
+"""CI's short soak: `benchmarks/soak.py` against a live server with a standby.
 
-Random kill, hang and crash faults on the primary while the rotation runs: no
-request may be lost, and every greedy answer must equal the undisturbed one.
-(Timings are reported by the benchmark, never asserted here.)
+Random kill, hang and crash faults on the primary while the rotation runs (21 s;
+with seed 1 the first fault, a hang, comes 0.9 s in, so every run sees an incident
+and a failover): no request may be lost, and every greedy answer must equal the
+undisturbed one. (Timings are reported by the benchmark, never asserted here.)
 """
 
 import json
@@ -17,11 +18,11 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def test_half_minute_soak_loses_nothing(tmp_path: Path) -> None:
+def test_short_soak_loses_nothing(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
-    command = [sys.executable, "benchmarks/soak.py", "--minutes", "0.5", "--fault-every-s", "6"]
+    command = [sys.executable, "benchmarks/soak.py", "--minutes", "0.35", "--fault-every-s", "6"]
     result = subprocess.run(
-        [*command, "--seed", "1", "--out", str(out)],
+        [*command, "--seed", "1", "--settle-s", "0", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
