@@ -345,12 +345,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def entry() -> NoReturn:
     """The ``mlxserve`` program (and ``python -m mlxserve``): `main` in a process that
     keeps PyTorch out (`mlxserve.torchless`); tests call `main` in their own process."""
     hide_torch()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,7 +1,7 @@
 """The engine process: one engine behind a unix socket, serving the front process.
 
     python -m mlxserve.engine --socket PATH [--config F] [--model M]
-                                      [--policy KEY=VALUE ...]
+                              [--policy KEY=VALUE ...]
 
 Settings come from the config file, `MLXSERVE_*` variables and these flags,
 as everywhere else. Why a process of its own: a wedged MLX call cannot be
