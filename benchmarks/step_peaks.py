@@ -11,7 +11,12 @@ and above the memory active just before it. Steps are not synchronized, as in th
 engine: the peak during a step includes the previous step's buffers still in flight,
 which is what the engine holds. Also: the weights' bytes and the largest peak overall.
 
+``--prefill-queue-every N`` sets how often a prefill chunk is queued for the device
+(``mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS``; 0: evaluated in one piece, as before stop
+22), so both ways can be compared on one machine.
+
 Run: python benchmarks/step_peaks.py [--clients 8] [--tokens 64] [--repeats 2]
+[--prefill-queue-every 1]
 """
 
 import argparse
@@ -23,6 +28,7 @@ import mlx.core as mx
 from batch_step import demo_engine, engine_rate
 from mlx.utils import tree_flatten
 
+from mlxserve.engine import mtp_adapter
 from mlxserve.engine.step_plan import StepPlan
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
@@ -66,9 +72,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--context", type=int, default=40, help="the shortest prompt")
+    parser.add_argument(
+        "--prefill-queue-every",
+        type=int,
+        default=mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS,
+        help="queue a prefill chunk after every N layers (0: in one piece)",
+    )
     args = parser.parse_args()
     if min(args.clients, args.tokens, args.repeats, args.context) < 1:
         parser.error("--clients, --tokens, --repeats and --context must be >= 1")
+    if args.prefill_queue_every < 0:
+        parser.error("--prefill-queue-every must be >= 0")
+    mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS = args.prefill_queue_every
     configure_cuda_graphs()  # as the CLI does, before any device work
 
     from mlxserve.engine.build import materialize
@@ -90,6 +105,7 @@ def main() -> None:
         "clients": args.clients,
         "tokens": args.tokens,
         "repeats": args.repeats,
+        "prefill_queue_every": args.prefill_queue_every,
         "weights_bytes": weights,
         "largest_peak_bytes": top,
         "steps": dict(sorted(peaks.items(), key=lambda item: -item[1]["peak"])),

@@ -54,6 +54,14 @@ MAX_CARRY = 64
 #: step's building), 17 of a plain step's ~50 ms being the graph's construction.
 QUEUE_EVERY_LAYERS = 4
 
+#: A prefill chunk is queued for the device after every this many layers (0: never).
+#: Evaluated in one piece, a chunk's graph kept every layer's activations alive until
+#: the device finished it: on the H200 a 116-token chunk of the demo added 7.3 MB over
+#: what was held (its weights are 2.9 MB), against 1.8 MB on a CPU, which frees them
+#: as it goes (`benchmarks/step_peaks.py`). Queued layer by layer, the device works
+#: through the early layers, and frees them, while the host builds the later ones.
+PREFILL_QUEUE_EVERY_LAYERS = 1
+
 
 def verify_streams(model: Any, tokens: mx.array, cache: Any, drafts: list[mx.array]) -> mx.array:
     """The verify forward of `tokens` [B, k + 1] (the last token and the drafts): the
@@ -124,7 +132,12 @@ class MTPAdapter:
     def prefill(self, state: Any, tokens: list[int]) -> None:
         assert isinstance(state, MTPState)
         array = mx.array(tokens)
-        self._carry(state, self.model.forward_hidden(array[None], state.cache), array)
+        streams = self.model.forward_hidden(
+            array[None], state.cache, queue_every=PREFILL_QUEUE_EVERY_LAYERS
+        )
+        if PREFILL_QUEUE_EVERY_LAYERS:
+            mx.async_eval(streams)  # type: ignore[no-untyped-call]
+        self._carry(state, streams, array)
         self._fold(state, keep=1)
         mx.eval(state.carry, [c.state for c in state.cache], [c.state for c in state.mtp_cache])
 
