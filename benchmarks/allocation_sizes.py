@@ -38,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=256)
     args = parser.parse_args()
+    if args.count < 1:
+        parser.error("--count must be >= 1")
     mx.set_cache_limit(0)  # freed buffers are returned, not kept for reuse
     sizes: dict[str, Any] = {}
     for nbytes in SIZES:

@@ -218,6 +218,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
     args = parser.parse_args()
+    if min(args.steps, args.tokens, args.repeats, args.prompts) < 1:
+        parser.error("--steps, --tokens, --repeats and --prompts must be >= 1")
+    if args.prompts > len(PROMPTS):
+        parser.error(f"--prompts: there are {len(PROMPTS)}")
     configure_cuda_graphs()  # as the CLI does, before any device work
 
     from mlxserve.models import load
