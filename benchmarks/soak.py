@@ -61,7 +61,7 @@ MEMORY_EVERY_S = 5.0
 #: (a frozen engine with no request in flight is found by two failed probes), the
 #: default of ``--settle-s``. A fault that records none (a second SIGSTOP before the
 #: first was declared, a fault on an engine already restarting) makes the run wait
-#: all of it: CI's short soak, which only needs one incident, passes 0.
+#: all of it: CI's short soak, which needs one incident, passes 5.
 INCIDENT_SETTLE_S = 15.0
 
 

@@ -40,3 +40,28 @@ def test_transformers_sees_no_torch_once_hidden() -> None:
 def test_the_opt_out_lets_transformers_import_torch() -> None:
     pytest.importorskip("torch")
     assert _probe(MLXSERVE_IMPORT_TORCH="1") == [True, True]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["-m", "mlxserve.engine", "--help"],  # what the front starts
+        ["-m", "mlxserve", "generate", "--model", "demo", "--prompt", "hi", "--max-tokens", "1"],
+    ],
+    ids=["engine", "cli"],
+)
+def test_the_programs_import_no_torch(command: list[str]) -> None:
+    """The entry points hide PyTorch before their imports reach transformers (both do:
+    the engine process imports mlx-lm to parse its flags, `generate` to load a model)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLXSERVE_IMPORT_TORCH"}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()]
+    assert "transformers" in imported  # the import that would bring PyTorch in happened
+    assert "torch" not in imported

@@ -55,7 +55,7 @@ PROBE_EVERY = 32
 #: it is near break-even, by definition.
 PROBE_NEAR_EVERY = 8
 PROBE_NEAR_WITHIN = 0.85
-#: Each far probe that leaves a request plain doubles the wait before its next one, up
+#: Each far probe that leaves a request plain doubles the wait before its next far one, up
 #: to PROBE_EVERY << MAX_PROBE_BACKOFF steps (256). A probe costs more than its round:
 #: on the H200 it drains the pipeline and the plain step after it starts it again,
 #: about one plain step more than its tokens (`benchmarks/plain_paths.py`: probes
@@ -216,8 +216,8 @@ class DepthChooser:
         probes: int = 0,
     ) -> tuple[int, int]:
         """(depth to run now, depth chosen): they differ on a probe or an exploration.
-        ``probes``: the probes the request made since it last chose to draft (each
-        left it decoding plainly), which space out its next far probe."""
+        ``probes``: the far probes the request made since it last chose to draft
+        (each left it decoding plainly), which space out its next far probe."""
         if current == 0 and plain_streak % RECHECK_EVERY:
             return 0, 0
         acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)

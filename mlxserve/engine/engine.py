@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxserve.engine.adapter import ModelAdapter
-from mlxserve.engine.depth import DepthChooser
+from mlxserve.engine.depth import PROBE_EVERY, DepthChooser
 from mlxserve.engine.grammar import Grammars
 from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.prefix_cache import PrefixCache
@@ -360,8 +360,10 @@ class Engine:
         )
         if chosen > 0:
             sequence.probes = 0
-        elif depth > 0 and sequence.plain_streak > 0:
-            sequence.probes += 1  # a probe from plain decoding starts
+        elif depth > 0 and sequence.plain_streak >= PROBE_EVERY:
+            # A far probe starts (a near one comes after PROBE_NEAR_EVERY plain steps,
+            # fewer than PROBE_EVERY, and does not space out the far ones).
+            sequence.probes += 1
         sequence.chosen_depth = chosen
         return min(depth, sequence.depth)
 

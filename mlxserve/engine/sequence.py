@@ -47,7 +47,7 @@ class Sequence:
     plain_streak: int = 0
     # the automatic depth in use (None: none chosen yet)
     chosen_depth: int | None = None
-    # probes of depth 1 since it last chose to draft (`DepthChooser.pick`'s ``probes``)
+    # far probes of depth 1 since it last chose to draft (`DepthChooser.pick`'s ``probes``)
     probes: int = 0
 
     @property

@@ -4,16 +4,28 @@ import mlx.core as mx
 import pytest
 from mlx.nn.layers.base import Module
 
-from mlxserve.engine.depth import DepthChooser
+from mlxserve.engine.depth import (
+    MIN_OBSERVED,
+    PROBE_EVERY,
+    PROBE_NEAR_EVERY,
+    RECHECK_EVERY,
+    DepthChooser,
+)
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.mtp_adapter import MTPAdapter
 from mlxserve.engine.request import GenerationRequest, SamplingParams
 from mlxserve.engine.round_costs import RoundCosts
+from mlxserve.engine.sampling import KeyStream
+from mlxserve.engine.sequence import Sequence
 from tests.engine.drive import run
 from tests.engine.v4_models import tiny_v4
 
 # Longer than the sliding window (8) and several compression groups (4 and 16).
 PROMPT = tuple((7 * i + 3) % 61 for i in range(45))
+# Round costs in plain steps: dear rounds (a CPU-like verify), a near call, cheap rounds.
+DEAR = RoundCosts(plain=1.0, verify={k: 1.0 + 0.3 * k for k in range(1, 6)}, draft=0.33)
+CLOSE = RoundCosts(plain=1.0, rounds={1: 1.5, 2: 1.9, 3: 2.6, 4: 3.3, 5: 4.0})
+CHEAP = RoundCosts(plain=1.0, verify={k: 1.0 + 0.02 * k for k in range(1, 6)}, draft=0.025)
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +86,7 @@ def test_a_plain_request_probes_less_and_less_while_probes_fail(v4: Module) -> N
     request decodes plainly and probes after 32 plain steps, then after 64 more
     (`MAX_PROBE_BACKOFF`), not every 32 (four probes in 140 tokens); output unchanged."""
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
-    dear = RoundCosts(plain=1.0, verify={k: 1.0 + 0.3 * k for k in range(1, 6)}, draft=0.33)
-    chooser = DepthChooser(max_depth=5, calibrated=dear, follow_observed=False)
+    chooser = DepthChooser(max_depth=5, calibrated=DEAR, follow_observed=False)
     for _ in range(200):
         chooser.record(1, 0)
     engine.chooser = engine.runner.chooser = chooser
@@ -84,6 +95,42 @@ def test_a_plain_request_probes_less_and_less_while_probes_fail(v4: Module) -> N
     assert tokens == run(plain, GenerationRequest("b", PROMPT, 140))["b"][0]
     assert finish.speculative is not None
     assert finish.speculative["depths_chosen"]["1"] == 2
+
+
+def test_only_far_probes_space_out_and_drafting_resets_them(v4: Module) -> None:
+    """`Engine._depth_for` counts a request's far probes (after PROBE_EVERY plain steps
+    or more), not its near ones (after PROBE_NEAR_EVERY), and forgets them once the
+    request chooses to draft."""
+    engine = Engine(MTPAdapter(v4), EngineConfig(speculative_depth="auto"))
+    sequence = Sequence(GenerationRequest("a", PROMPT, 64), KeyStream(0), depth=5, auto=True)
+    sequence.chosen_depth = 0
+
+    far = DepthChooser(max_depth=5, calibrated=DEAR, follow_observed=False)
+    for _ in range(200):
+        far.record(1, 0)
+    engine.chooser = far
+    sequence.plain_streak = PROBE_EVERY
+    assert engine._depth_for(sequence) == 1 and sequence.probes == 1
+
+    near = DepthChooser(max_depth=5, calibrated=CLOSE)
+    for _ in range(1 + MIN_OBSERVED):
+        near.observe(0, 1.0)
+        near.observe(1, 1.5)
+    for kept in (1, 0) * 20:
+        sequence.stats.record(1, kept)  # a first draft kept half the time
+    engine.chooser = near
+    sequence.plain_streak = PROBE_NEAR_EVERY
+    assert engine._depth_for(sequence) == 1 and sequence.probes == 1  # near: not counted
+
+    paying = DepthChooser(max_depth=5, calibrated=CHEAP, follow_observed=False)
+    for _ in range(200):
+        paying.record(1, 1)
+    for _ in range(40):
+        sequence.stats.record(1, 1)
+    engine.chooser = paying
+    sequence.plain_streak = RECHECK_EVERY
+    assert engine._depth_for(sequence) > 0 and sequence.chosen_depth
+    assert sequence.probes == 0
 
 
 def test_prefix_cache_hit_keeps_speculation_exact(v4: Module) -> None:

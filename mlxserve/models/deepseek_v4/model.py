@@ -142,7 +142,9 @@ class Model(Module):
         after every that many layers (``mx.async_eval``), so the device computes the
         first layers while the host still builds the graph of the later ones: for a
         forward whose result is waited for at once (a speculative verify), where
-        nothing else overlaps its graph building. The result is the same.
+        nothing else overlaps its graph building, and for a prefill chunk, whose
+        activations a GPU frees only once the device has run them. The result is the
+        same.
         """
         cache = cache if cache is not None else self.make_cache()
         return self.model.streams(inputs, cache, queue_every)
