@@ -39,7 +39,7 @@ import statistics
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -183,8 +183,15 @@ def demo_engine(model: Any, clients: int) -> Engine:
     return Engine(adapter_for(model, DEFAULT_MTP_DEPTH), config)
 
 
-def engine_rate(engine: Engine, clients: int, tokens: int, context: int) -> float:
-    """Aggregate tok/s of ``clients`` greedy requests submitted at once (prefill included)."""
+def engine_rate(
+    engine: Engine,
+    clients: int,
+    tokens: int,
+    context: int,
+    on_finish: Callable[[FinishEvent], None] | None = None,
+) -> float:
+    """Aggregate tok/s of ``clients`` greedy requests submitted at once (prefill included);
+    ``on_finish`` sees every request's finish event."""
     start = CLOCK[0]()
     streams = [
         engine.submit(GenerationRequest(f"r{i}", tuple(prompt(i, context + 11 * i)), tokens))
@@ -199,6 +206,8 @@ def engine_rate(engine: Engine, clients: int, tokens: int, context: int) -> floa
                     produced += len(event.token_ids)
                 elif isinstance(event, FinishEvent):
                     finished += 1
+                    if on_finish is not None:
+                        on_finish(event)
         if finished == clients:
             return produced / (CLOCK[0]() - start)
     raise RuntimeError("the engine did not finish its requests")

@@ -15,8 +15,18 @@ which is what the engine holds. Also: the weights' bytes and the largest peak ov
 (``mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS``; 0: evaluated in one piece, as before stop
 22), so both ways can be compared on one machine.
 
+``--model flash`` runs a DeepSeek-V4-Flash-shaped model instead (`mtp_cost.flash_shaped`:
+43 layers and an MTP block, hc_mult 4, 4-bit experts, FP8 projections as mxfp8, random
+weights; ``--hidden``, ``--experts`` and ``--vocab`` size it). The demo's 2.9 MB of
+weights are smaller than one step's activations on a GPU; this shows the ratio where
+weights and caches have a real model's proportions. Either way ``ratio`` is the
+largest peak over the weights plus ``--clients`` times the largest cache a request
+reported at its end (the issue's memory target), and ``caches_ratio`` the part above
+the weights over those caches.
+
 Run: python benchmarks/step_peaks.py [--clients 8] [--tokens 64] [--repeats 2]
-[--prefill-queue-every 1]
+[--prefill-queue-every 1] [--model demo|flash] [--hidden 512] [--experts 64]
+[--vocab 8192]
 """
 
 import argparse
@@ -78,9 +88,17 @@ def main() -> None:
         default=mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS,
         help="queue a prefill chunk after every N layers (0: in one piece)",
     )
+    parser.add_argument("--model", choices=["demo", "flash"], default="demo")
+    parser.add_argument("--hidden", type=int, default=512, help="flash: width")
+    parser.add_argument("--experts", type=int, default=64, help="flash: routed experts")
+    parser.add_argument("--vocab", type=int, default=8192, help="flash: vocabulary (> 1006)")
     args = parser.parse_args()
     if min(args.clients, args.tokens, args.repeats, args.context) < 1:
         parser.error("--clients, --tokens, --repeats and --context must be >= 1")
+    if args.hidden < 64 or args.hidden % 64 or args.experts < 6 or args.vocab <= 1006:
+        parser.error(
+            "--hidden must be a multiple of 64, --experts >= 6, --vocab > 1006 (the prompts' ids)"
+        )
     if args.prefill_queue_every < 0:
         parser.error("--prefill-queue-every must be >= 0")
     mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS = args.prefill_queue_every
@@ -89,25 +107,42 @@ def main() -> None:
     from mlxserve.engine.build import materialize
     from mlxserve.models import load
 
-    model, _ = load("demo")
-    materialize(model)
+    if args.model == "flash":
+        from mtp_cost import flash_shaped  # beside this file
+
+        model = flash_shaped(43, args.hidden, args.experts, args.vocab)
+    else:
+        model, _ = load("demo")
+        materialize(model)
     weights = sum(int(a.nbytes) for _, a in tree_flatten(model.parameters()))  # type: ignore[union-attr]
     engine = demo_engine(model, args.clients)
     engine_rate(engine, args.clients, 8, args.context)  # untimed: calibration, compiling
     peaks: dict[str, dict[str, Any]] = {}
+    caches: list[int] = []
     undo = record_peaks(engine, peaks)
     for _ in range(args.repeats):
-        engine_rate(engine, args.clients, args.tokens, args.context)
+        engine_rate(
+            engine,
+            args.clients,
+            args.tokens,
+            args.context,
+            lambda finish: caches.append(int((finish.memory or {}).get("cache_bytes", 0))),
+        )
     undo()
     top = max(entry["peak"] for entry in peaks.values())
+    budget = weights + args.clients * max(caches)
     result = {
         "device": benchmark_device(),
+        "model": args.model,
         "clients": args.clients,
         "tokens": args.tokens,
         "repeats": args.repeats,
         "prefill_queue_every": args.prefill_queue_every,
         "weights_bytes": weights,
+        "one_request_cache_bytes": max(caches),
         "largest_peak_bytes": top,
+        "ratio": round(top / budget, 3),
+        "caches_ratio": round((top - weights) / (args.clients * max(caches)), 3),
         "steps": dict(sorted(peaks.items(), key=lambda item: -item[1]["peak"])),
     }
     print(json.dumps(result, indent=2))

@@ -27,6 +27,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from mlxserve.engine.request import SpeculativeStats
 from mlxserve.engine.round_costs import RoundCosts
@@ -86,6 +87,17 @@ MIN_OBSERVED = 3
 #: Depth-1 rounds of one request after which a probe no longer drafts on to get depth
 #: 1 timed: the untimed first round, the first timed one (dropped) and MIN_OBSERVED.
 PROBE_ROUNDS = 2 + MIN_OBSERVED
+
+
+class Pick(NamedTuple):
+    """What `DepthChooser.pick` decided for a request's next round."""
+
+    #: drafts to run now (differs from ``chosen`` on a probe or an exploration)
+    depth: int
+    #: the depth chosen (0: decoding plainly)
+    chosen: int
+    #: a far probe: it spaces out the request's next far probe (``probes``)
+    far_probe: bool = False
 
 
 def expected_tokens(acceptance: Sequence[float], depth: int) -> float:
@@ -150,6 +162,8 @@ class DepthChooser:
     # Whether round times observed at different moments may be compared with each
     # other (`mlxserve.hardware.clock.observed_times_comparable`).
     follow_observed: bool = True
+    # The engine's own time between two steps of a request (`observe_between`).
+    between: deque[float] = field(default_factory=lambda: deque(maxlen=OBSERVED_WINDOW))
 
     def costs(self) -> RoundCosts:
         """Calibrated costs, replaced by observed round times where there are some
@@ -159,9 +173,10 @@ class DepthChooser:
         ratios = [t / self.calibrated.round(k) for k, t in self.observed.items()]
         scale = sorted(ratios)[len(ratios) // 2] if ratios else 1.0
         observed = self.observed if self.follow_observed else {}
-        plain = observed.get(0, self.calibrated.plain * scale)
+        overhead = self.overhead()
+        plain = observed.get(0, self.calibrated.plain * scale) + overhead
         rounds = {
-            k: observed.get(k, self.calibrated.round(k) * scale)
+            k: observed.get(k, self.calibrated.round(k) * scale) + overhead
             for k in range(1, self.max_depth + 1)
         }
         # As a RoundCosts whose round(k) is the estimate: verify holds the whole round.
@@ -179,6 +194,25 @@ class DepthChooser:
         if len(window) >= MIN_OBSERVED:
             self.observed[depth] = statistics.median(window)
 
+    def observe_between(self, seconds: float) -> None:
+        """The engine's time from the end of one step of a request to the start of its
+        next: emitting the tokens, scheduling, the caller's share of the loop."""
+        self.between.append(seconds)
+
+    def overhead(self) -> float:
+        """What every step pays besides its own forwards (`observe_between`), once
+        MIN_OBSERVED are timed and with `follow_observed`; 0 before.
+
+        Step and round times are taken inside the runner, so without this a round
+        looked dearer against a plain step than it is: both pay this once. A plain
+        step overlaps it with the device (the next step is queued before the engine
+        returns) and a round does not, but either way a step's share of the wall
+        clock is its runner time plus this.
+        """
+        if not self.follow_observed or len(self.between) < MIN_OBSERVED:
+            return 0.0
+        return statistics.median(self.between)
+
     def forget_observations(self) -> None:
         """Drop the acceptance and round times seen so far (a warm-up's: a fixed
         prompt, timed while compiling), keeping the calibration and which depths have
@@ -186,6 +220,7 @@ class DepthChooser:
         self.history = SpeculativeStats()
         self.samples.clear()
         self.observed.clear()
+        self.between.clear()
 
     def prior(self) -> list[float]:
         """Acceptance per position over the requests this engine has served so far."""
@@ -214,22 +249,23 @@ class DepthChooser:
         current: int | None,
         batch_size: int = 1,
         probes: int = 0,
-    ) -> tuple[int, int]:
-        """(depth to run now, depth chosen): they differ on a probe or an exploration.
-        ``probes``: the far probes the request made since it last chose to draft
-        (each left it decoding plainly), which space out its next far probe."""
+    ) -> Pick:
+        """The depth to run now and the depth chosen: they differ on a probe or an
+        exploration. ``probes``: the far probes the request made since it last chose
+        to draft (each left it decoding plainly), which space out its next far probe."""
         if current == 0 and plain_streak % RECHECK_EVERY:
-            return 0, 0
+            return Pick(0, 0)
         acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)
         costs = self.costs()
         depth = choose_depth(acceptance, costs, batch_size, self.max_depth, current)
         if depth == 0:
             if self._probe_goes_on(stats, plain_streak, current):
-                return 1, 0
+                return Pick(1, 0)
             plain_rate = max(batch_size, 1) / costs.round(0)
             near = expected_tokens(acceptance, 1) / costs.round(1) >= PROBE_NEAR_WITHIN * plain_rate
             every = PROBE_NEAR_EVERY if near else PROBE_EVERY << min(probes, MAX_PROBE_BACKOFF)
-            return (1 if plain_streak >= every else 0), 0
+            probe = plain_streak >= every
+            return Pick(1 if probe else 0, 0, far_probe=probe and not near)
         rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
         deeper = depth + 1
         if (
@@ -238,8 +274,8 @@ class DepthChooser:
             and not self.explored(deeper)
             and self._promising(acceptance, costs, depth, deeper)
         ):
-            return deeper, depth
-        return depth, depth
+            return Pick(deeper, depth)
+        return Pick(depth, depth)
 
     def _probe_goes_on(
         self, stats: SpeculativeStats, plain_streak: int, current: int | None

@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from mlxserve.engine.adapter import ModelAdapter
-from mlxserve.engine.depth import PROBE_EVERY, DepthChooser
+from mlxserve.engine.depth import DepthChooser
 from mlxserve.engine.grammar import Grammars
 from mlxserve.engine.logits import TokenChooser
 from mlxserve.engine.prefix_cache import PrefixCache
@@ -355,17 +355,15 @@ class Engine:
             return sequence.depth
         if self.chooser is None:
             return min(SEEDED_DEPTH, sequence.depth)
-        depth, chosen = self.chooser.pick(
+        pick = self.chooser.pick(
             sequence.stats, sequence.plain_streak, sequence.chosen_depth, probes=sequence.probes
         )
-        if chosen > 0:
+        if pick.chosen > 0:
             sequence.probes = 0
-        elif depth > 0 and sequence.plain_streak >= PROBE_EVERY:
-            # A far probe starts (a near one comes after PROBE_NEAR_EVERY plain steps,
-            # fewer than PROBE_EVERY, and does not space out the far ones).
+        elif pick.far_probe:
             sequence.probes += 1
-        sequence.chosen_depth = chosen
-        return min(depth, sequence.depth)
+        sequence.chosen_depth = pick.chosen
+        return min(pick.depth, sequence.depth)
 
     def _run(self, plan: StepPlan) -> None:
         sequences = [s for rid in plan.request_ids if (s := self.scheduler.find(rid))]

@@ -58,9 +58,18 @@ class Runner:
         # Requests given a state and not yet released: the rows a batch may soon hold.
         self._live: set[str] = set()
         self.clock: Callable[[], float] = time.perf_counter
+        # The requests of the last decode or speculative step and when it ended: the
+        # time until their next step starts is the engine's own, which the chooser
+        # adds to every step's cost (`DepthChooser.overhead`).
+        self._last_step: tuple[tuple[str, ...], float] | None = None
 
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
+        stepping = plan.kind != "prefill"
+        if self.chooser is not None and stepping and self._last_step is not None:
+            served, ended = self._last_step
+            if served == tuple(plan.request_ids):
+                self.chooser.observe_between(self.clock() - ended)
         emitted: dict[str, list[int]] = {}
         if plan.kind == "decode":
             emitted = self._decode_all(sequences)
@@ -73,6 +82,7 @@ class Runner:
                 emitted[sequence.request_id] = self._speculate(sequence, plan.num_tokens)
         for sequence in sequences:
             sequence.transcript.extend(emitted.get(sequence.request_id, ()))
+        self._last_step = (tuple(plan.request_ids), self.clock()) if stepping else None
         return emitted
 
     @property

@@ -119,13 +119,13 @@ def test_an_explored_depth_is_not_explored_again() -> None:
     stats = SpeculativeStats()
     for kept in (1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 1]:
         stats.record(1, kept)
-    assert chooser.pick(stats, 0, 1) == (2, 1)  # depth 2 unknown: this round explores it
+    assert chooser.pick(stats, 0, 1)[:2] == (2, 1)  # depth 2 unknown: this round explores it
     for _ in range(EXPLORED_ROUNDS):
         chooser.record(2, 1)  # position 2 reached often enough, and never kept
     for _ in range(1 + MIN_OBSERVED):  # the first observation is dropped
         chooser.observe(2, CLOSE.round(2))
     assert chooser.explored(2)
-    assert chooser.pick(stats, 0, 1) == (1, 1)
+    assert chooser.pick(stats, 0, 1)[:2] == (1, 1)
 
 
 def test_an_unseen_position_is_discounted_from_the_one_before() -> None:
@@ -144,7 +144,7 @@ def test_a_plain_request_reconsiders_only_every_few_steps() -> None:
     for _ in range(50):
         good.record(3, 3)
     # Between rechecks the depth stays 0 without any estimate computed...
-    assert chooser.pick(good, plain_streak=RECHECK_EVERY + 1, current=0) == (0, 0)
+    assert chooser.pick(good, plain_streak=RECHECK_EVERY + 1, current=0)[:2] == (0, 0)
     # ...and at a recheck the acceptance counts win.
     assert chooser.pick(good, plain_streak=RECHECK_EVERY, current=0)[1] >= 3
 
@@ -156,7 +156,33 @@ def test_a_depth_estimated_far_worse_is_not_explored() -> None:
     stats = SpeculativeStats()
     for kept in (1, 0, 1, 1, 0, 1, 1)[: EXPLORE_EVERY - 1]:
         stats.record(1, kept)
-    assert chooser.pick(stats, 0, 1) == (1, 1)  # an exploration round, but not worth it
+    assert chooser.pick(stats, 0, 1)[:2] == (1, 1)  # an exploration round, but not worth it
+
+
+def test_the_engines_time_between_steps_is_added_to_every_step() -> None:
+    # A round of two plain steps keeping 0.9 of its drafts: 1.9 tokens for 2 steps
+    # loses to plain decoding, until both also pay the engine's half step between steps.
+    dear = RoundCosts(plain=1.0, rounds={1: 2.0})
+    stats = SpeculativeStats()
+    for _ in range(100):
+        stats.record(1, 1 if _ % 10 else 0)
+    chooser = DepthChooser(max_depth=1, calibrated=dear)
+    assert chooser.choose(stats, plain_streak=0) == 0
+    for _ in range(MIN_OBSERVED - 1):
+        chooser.observe_between(0.5)
+    assert chooser.overhead() == 0.0  # too few to count
+    chooser.observe_between(0.5)
+    assert chooser.overhead() == pytest.approx(0.5)
+    assert chooser.costs().round(0) == pytest.approx(1.5)
+    assert chooser.costs().round(1) == pytest.approx(2.5)
+    assert chooser.choose(stats, plain_streak=0) == 1
+    chooser.forget_observations()
+    assert chooser.overhead() == 0.0
+    # Without following observed times (a CPU's), the calibration alone ranks depths.
+    unfollowed = DepthChooser(max_depth=1, calibrated=dear, follow_observed=False)
+    for _ in range(MIN_OBSERVED):
+        unfollowed.observe_between(0.5)
+    assert unfollowed.overhead() == 0.0
 
 
 def test_without_following_observed_times_only_the_calibration_ranks_depths() -> None:
@@ -196,14 +222,14 @@ def test_a_plain_request_near_break_even_probes_often() -> None:
     middling = SpeculativeStats()
     for kept in (1, 0) * 20:
         middling.record(1, kept)  # a first draft kept half the time: E(1) = 1.5
-    assert near.pick(middling, plain_streak=0, current=0) == (0, 0)
-    assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0) == (1, 0)
+    assert near.pick(middling, plain_streak=0, current=0)[:2] == (0, 0)
+    assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0)[:2] == (1, 0)
     far = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
     rejected = SpeculativeStats()
     for _ in range(200):
         rejected.record(1, 0)
-    assert far.pick(rejected, plain_streak=PROBE_NEAR_EVERY, current=0) == (0, 0)
-    assert far.pick(rejected, plain_streak=PROBE_EVERY, current=0) == (1, 0)
+    assert far.pick(rejected, plain_streak=PROBE_NEAR_EVERY, current=0)[:2] == (0, 0)
+    assert far.pick(rejected, plain_streak=PROBE_EVERY, current=0)[:2] == (1, 0)
 
 
 def test_far_probes_that_leave_a_request_plain_space_out() -> None:
@@ -216,8 +242,8 @@ def test_far_probes_that_leave_a_request_plain_space_out() -> None:
     for probes in range(MAX_PROBE_BACKOFF + 3):
         wait = PROBE_EVERY << min(probes, MAX_PROBE_BACKOFF)
         before = far.pick(rejected, plain_streak=wait - RECHECK_EVERY, current=0, probes=probes)
-        assert before == (0, 0)
-        assert far.pick(rejected, plain_streak=wait, current=0, probes=probes) == (1, 0)
+        assert before == (0, 0, False)
+        assert far.pick(rejected, plain_streak=wait, current=0, probes=probes) == (1, 0, True)
     near = DepthChooser(max_depth=5, calibrated=CLOSE)
     for _ in range(1 + MIN_OBSERVED):
         near.observe(0, 1.0)
@@ -225,7 +251,8 @@ def test_far_probes_that_leave_a_request_plain_space_out() -> None:
     middling = SpeculativeStats()
     for kept in (1, 0) * 20:
         middling.record(1, kept)
-    assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0, probes=9) == (1, 0)
+    # A near probe: not a far one, so it does not add to the back-off.
+    assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0, probes=9) == (1, 0, False)
 
 
 def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
@@ -237,17 +264,17 @@ def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
         chooser.record(1, kept)  # earlier requests: a first draft kept half the time
     middling = SpeculativeStats()
     middling.record(1, 1)  # this request's one probe round
-    assert chooser.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0) == (1, 0)
-    assert chooser.pick(middling, plain_streak=0, current=0) == (1, 0)  # just probed
+    assert chooser.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0)[:2] == (1, 0)
+    assert chooser.pick(middling, plain_streak=0, current=0)[:2] == (1, 0)  # just probed
     unpromising = DepthChooser(max_depth=5, calibrated=CLOSE)
     for _ in range(40):
         unpromising.record(1, 0)  # earlier requests' first drafts all rejected
     # A request that has not probed yet (no rounds) does not start with one.
-    assert unpromising.pick(SpeculativeStats(), plain_streak=0, current=0) == (0, 0)
+    assert unpromising.pick(SpeculativeStats(), plain_streak=0, current=0)[:2] == (0, 0)
     for _ in range(1 + MIN_OBSERVED):
         chooser.observe(0, 1.0)
         chooser.observe(1, 0.9)  # cheaper than calibrated: depth 1 now pays
-    assert chooser.pick(middling, plain_streak=0, current=0) == (1, 1)
+    assert chooser.pick(middling, plain_streak=0, current=0)[:2] == (1, 1)
     # A request whose rounds are never timed (a grammar's) stops after PROBE_ROUNDS.
     untimed = DepthChooser(max_depth=5, calibrated=CLOSE)
     long_probe = SpeculativeStats()
@@ -255,9 +282,9 @@ def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
         long_probe.record(1, 1)
     for _ in range(40):
         untimed.record(1, 0)
-    assert untimed.pick(long_probe, plain_streak=0, current=0) == (0, 0)
+    assert untimed.pick(long_probe, plain_streak=0, current=0)[:2] == (0, 0)
     # Without following observed times (a CPU), a probe stays one round.
     cpu = DepthChooser(max_depth=5, calibrated=CLOSE, follow_observed=False)
     for kept in (1, 0) * 20:
         cpu.record(1, kept)
-    assert cpu.pick(middling, plain_streak=0, current=0) == (0, 0)
+    assert cpu.pick(middling, plain_streak=0, current=0)[:2] == (0, 0)

@@ -1,5 +1,7 @@
 """MTP speculative decoding on DeepSeek-V4: greedy output identical to plain decoding."""
 
+import itertools
+
 import mlx.core as mx
 import pytest
 from mlx.nn.layers.base import Module
@@ -95,6 +97,41 @@ def test_a_plain_request_probes_less_and_less_while_probes_fail(v4: Module) -> N
     assert tokens == run(plain, GenerationRequest("b", PROMPT, 140))["b"][0]
     assert finish.speculative is not None
     assert finish.speculative["depths_chosen"]["1"] == 2
+
+
+def test_the_time_between_a_requests_steps_is_observed(v4: Module) -> None:
+    """Every step of a request after its first is preceded by the engine's own work,
+    timed from the end of the one before (`DepthChooser.overhead`); nothing is timed
+    across a prefill or from another request's step."""
+    engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
+    chooser = DepthChooser(max_depth=5, calibrated=DEAR)
+    engine.chooser = engine.runner.chooser = chooser
+    kinds: list[tuple[str, tuple[str, ...]]] = []
+    run_step = engine.runner.run
+
+    def counted(plan, sequences):  # type: ignore[no-untyped-def]
+        kinds.append((plan.kind, plan.request_ids))
+        return run_step(plan, sequences)
+
+    engine.runner.run = counted  # type: ignore[method-assign]
+    gaps: list[float] = []
+    observe = chooser.observe_between
+
+    def recorded(seconds: float) -> None:
+        gaps.append(seconds)
+        observe(seconds)
+
+    chooser.observe_between = recorded  # type: ignore[method-assign]
+    for rid in ("a", "b"):
+        run(engine, GenerationRequest(rid, PROMPT, 12))
+    following = sum(
+        1
+        for before, after in itertools.pairwise(kinds)
+        if before[0] != "prefill" and after[0] != "prefill" and before[1] == after[1]
+    )
+    assert following >= 2 * 8  # most of both requests' steps
+    assert len(gaps) == following
+    assert all(gap >= 0 for gap in gaps) and chooser.overhead() > 0
 
 
 def test_only_far_probes_space_out_and_drafting_resets_them(v4: Module) -> None:

@@ -1,0 +1,185 @@
+"""Automatic depth against fixed depths, paired request by request; prints one JSON document.
+
+`engine.py` compares depths by the median of a few repeats, each a whole reply per
+depth. On the H200 single replies of one engine ranged 154-251 tok/s (stop 22), far
+more than the 3 % the targets ask to resolve (`auto` >= 0.97 x depth 0 and >= 0.97 x
+the best fixed depth). This pairs finely instead: each of ``--rounds`` rounds runs
+one reply on every engine, in a shuffled order (seeded), so drift and a slow moment
+hit the engines alike; the ratio ``auto`` / depth d is taken within each round.
+Per prompt and depth it reports the median of those ratios and a bootstrap interval
+of that median (``--confidence``), and a verdict against 0.97: ``met`` when the
+interval lies above it, ``missed`` when below, ``unresolved`` when it straddles it.
+The best fixed depth of a prompt is the one with the highest median rate.
+
+It also times Python's garbage collections during the timed replies (``gc.callbacks``):
+a collection of the oldest generation walks every object the process holds, and a
+pause of that kind lands on one reply and not its pair.
+
+Run: python benchmarks/auto_paired.py [--tokens 128] [--rounds 12] [--prompts 5]
+[--depths 0,1,2,3] [--confidence 0.9] [--seed 0]
+"""
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+from engine import PROMPTS, chooser_costs, decode_rate, run_one
+
+from mlxserve.engine.engine import Engine, EngineConfig
+from mlxserve.engine.request import GenerationRequest
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
+from mlxserve.hardware.probe import benchmark_device
+
+TARGET = 0.97
+BOOTSTRAP_SAMPLES = 2000
+
+
+def median_interval(
+    values: list[float], confidence: float, rng: random.Random
+) -> tuple[float, float]:
+    """A bootstrap interval of the median of `values` (percentile method)."""
+    medians = sorted(
+        statistics.median(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP_SAMPLES)
+    )
+    tail = (1 - confidence) / 2
+    low = medians[int(tail * (BOOTSTRAP_SAMPLES - 1))]
+    high = medians[int((1 - tail) * (BOOTSTRAP_SAMPLES - 1))]
+    return low, high
+
+
+def verdict(interval: tuple[float, float]) -> str:
+    low, high = interval
+    return "met" if low >= TARGET else "missed" if high < TARGET else "unresolved"
+
+
+class CollectionTimer:
+    """Counts Python's garbage collections per generation and their total time."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.counts = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self.longest_s = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif self.started is not None:
+            spent = time.perf_counter() - self.started
+            generation = info["generation"]
+            self.counts[generation] += 1
+            self.seconds[generation] += spent
+            self.longest_s = max(self.longest_s, spent)
+            self.started = None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "count_per_generation": self.counts,
+            "ms_per_generation": [s * 1e3 for s in self.seconds],
+            "longest_ms": self.longest_s * 1e3,
+        }
+
+
+def parse_depths(text: str) -> tuple[int, ...]:
+    depths = tuple(int(part) for part in text.split(","))
+    if 0 not in depths or any(not 0 <= d <= 5 for d in depths):
+        raise ValueError("--depths must name depth 0 and depths in 0..5, e.g. 0,1,2,3")
+    return depths
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument("--depths", default="0,1,2,3", help="fixed depths beside auto")
+    parser.add_argument("--confidence", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        depths = parse_depths(args.depths)
+    except ValueError as error:
+        parser.error(str(error).replace("invalid literal for int() with base 10", "--depths"))
+    if min(args.tokens, args.rounds) < 2 or not 1 <= args.prompts <= len(PROMPTS):
+        parser.error(f"--tokens and --rounds must be >= 2, --prompts in 1..{len(PROMPTS)}")
+    if not 0 < args.confidence < 1:
+        parser.error("--confidence must be between 0 and 1")
+    configure_cuda_graphs()  # as the CLI does, before any device work
+
+    from mlxserve.commands.generate import encode_prompt
+    from mlxserve.engine.build import adapter_for, materialize
+    from mlxserve.models import load
+
+    model, tokenizer = load("demo")
+    materialize(model)
+    rng = random.Random(args.seed)
+    timer = CollectionTimer()
+    prompts: list[dict[str, Any]] = []
+    for text in PROMPTS[: args.prompts]:
+        ids = tuple(encode_prompt(tokenizer, text, chat=True))
+        names: list[int | str] = [*depths, "auto"]
+        engines = {
+            str(name): Engine(
+                adapter_for(model, name),  # type: ignore[arg-type]
+                EngineConfig(speculative_depth=name, prefix_cache_entries=0),  # type: ignore[arg-type]
+            )
+            for name in names
+        }
+        for engine in engines.values():  # untimed: kernels compile on a shape's first use
+            run_one(engine, GenerationRequest("warm-up", ids, args.tokens))
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        last_auto: Any = None
+        gc.callbacks.append(timer)
+        try:
+            for _ in range(args.rounds):
+                order = list(engines)
+                rng.shuffle(order)
+                for name in order:
+                    rate, finish = decode_rate(engines[name], ids, args.tokens, 1)
+                    rates[name].append(rate)
+                    if name == "auto":
+                        last_auto = finish.speculative
+        finally:
+            gc.callbacks.remove(timer)
+        medians = {name: statistics.median(values) for name, values in rates.items()}
+        best = max((str(d) for d in depths), key=lambda name: medians[name])
+        against: dict[str, Any] = {}
+        for name in [str(d) for d in depths]:
+            ratios = [a / b for a, b in zip(rates["auto"], rates[name], strict=True)]
+            interval = median_interval(ratios, args.confidence, rng)
+            against[name] = {
+                "median": statistics.median(ratios),
+                "interval": interval,
+                "verdict": verdict(interval),
+            }
+        prompts.append(
+            {
+                "prompt": text,
+                "median_tok_s": medians,
+                "best_fixed_depth": int(best),
+                "auto_over": against,
+                "auto_over_depth0": against["0"]["verdict"],
+                "auto_over_best_fixed": against[best]["verdict"],
+                "auto_last_reply": last_auto,
+                "auto_costs_in_plain_steps": chooser_costs(engines["auto"]),
+            }
+        )
+    result = {
+        "device": benchmark_device(),
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "confidence": args.confidence,
+        "seed": args.seed,
+        "target": TARGET,
+        "prompts": prompts,
+        "gc_during_timed_replies": timer.report(),
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
