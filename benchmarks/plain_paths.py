@@ -32,15 +32,17 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import mlx.core as mx
 from batch_step import count_primitives
 from engine import PROMPTS, decode_rate, run_one
+from step_hook import Around, Run, around_steps
 
 from mlxserve.engine.batch import new_batch
 from mlxserve.engine.build import adapter_for, materialize
-from mlxserve.engine.depth import DepthChooser
+from mlxserve.engine.depth import DepthChooser, Pick
 from mlxserve.engine.engine import Engine, EngineConfig
 from mlxserve.engine.request import GenerationRequest
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
@@ -100,12 +102,11 @@ def paths(model: Any, steps: int, repeats: int) -> dict[str, Any]:
     }
 
 
-def traced(engine: Engine) -> list[tuple[int, float]]:
-    """Record (drafts, seconds) of every decode or speculative step the runner runs."""
-    trace: list[tuple[int, float]] = []
-    run = engine.runner.run
+def tracer(trace: list[tuple[int, float]]) -> Around:
+    """What goes around every step (`step_hook.around_steps`) to record (drafts,
+    seconds) of every decode or speculative step in `trace`."""
 
-    def timed(plan: Any, sequences: Any) -> Any:
+    def timed(run: Run, plan: Any, sequences: Any) -> Any:
         started = time.perf_counter()
         emitted = run(plan, sequences)
         if plan.kind != "prefill":
@@ -114,8 +115,7 @@ def traced(engine: Engine) -> list[tuple[int, float]]:
             )
         return emitted
 
-    engine.runner.run = timed  # type: ignore[method-assign]
-    return trace
+    return timed
 
 
 def step_kinds(trace: list[tuple[int, float]]) -> dict[str, Any]:
@@ -160,7 +160,7 @@ def first_shape(model: Any, lengths: list[int]) -> dict[str, Any]:
 
 def always_plain(chooser: DepthChooser) -> None:
     """The chooser picks depth 0 for every round: no probes, no explorations."""
-    chooser.pick = lambda *args, **kwargs: (0, 0)  # type: ignore[method-assign]
+    chooser.pick = lambda *args, **kwargs: Pick(0, 0)  # type: ignore[method-assign]
 
 
 def engines(model: Any, tokens: int, repeats: int, count: int) -> list[dict[str, Any]]:
@@ -189,12 +189,12 @@ def engines(model: Any, tokens: int, repeats: int, count: int) -> list[dict[str,
         for _ in range(repeats):
             for name, engine in built.items():
                 if name == "auto":
-                    trace = traced(engine)
-                rate, finish = decode_rate(engine, ids, tokens, 1)
+                    trace = []
+                hook = around_steps(engine, tracer(trace)) if name == "auto" else nullcontext()
+                with hook:
+                    rate, finish = decode_rate(engine, ids, tokens, 1)
                 rates[name].append(rate)
                 chosen[name] = (finish.speculative or {}).get("depths_chosen")
-                if name == "auto":
-                    engine.runner.run = type(engine.runner).run.__get__(engine.runner)  # type: ignore[method-assign]
         ratios = {
             name: statistics.median(r / d for r, d in zip(rates[name], rates["0"], strict=True))
             for name in built

@@ -31,12 +31,12 @@ Run: python benchmarks/step_peaks.py [--clients 8] [--tokens 64] [--repeats 2]
 
 import argparse
 import json
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
 from batch_step import demo_engine, engine_rate
 from mlx.utils import tree_flatten
+from step_hook import Around, Run, around_steps
 
 from mlxserve.engine import mtp_adapter
 from mlxserve.engine.step_plan import StepPlan
@@ -53,11 +53,10 @@ def kind_of(plan: StepPlan) -> str:
     return f"speculate {rows} rows depth {plan.num_tokens}"
 
 
-def record_peaks(engine: Any, peaks: dict[str, dict[str, Any]]) -> Callable[[], None]:
-    """Wrap the runner's `run` to fill `peaks`; returns the undo."""
-    run = engine.runner.run
+def peak_recorder(peaks: dict[str, dict[str, Any]]) -> Around:
+    """What goes around every step (`step_hook.around_steps`) to fill `peaks`."""
 
-    def measured(plan: StepPlan, sequences: Any) -> Any:
+    def measured(run: Run, plan: StepPlan, sequences: Any) -> Any:
         active = mx.get_active_memory()
         mx.reset_peak_memory()
         emitted = run(plan, sequences)
@@ -68,12 +67,7 @@ def record_peaks(engine: Any, peaks: dict[str, dict[str, Any]]) -> Callable[[], 
         entry["over_active"] = max(entry["over_active"], peak - active)
         return emitted
 
-    engine.runner.run = measured
-
-    def undo() -> None:
-        engine.runner.run = run
-
-    return undo
+    return measured
 
 
 def main() -> None:
@@ -119,16 +113,15 @@ def main() -> None:
     engine_rate(engine, args.clients, 8, args.context)  # untimed: calibration, compiling
     peaks: dict[str, dict[str, Any]] = {}
     caches: list[int] = []
-    undo = record_peaks(engine, peaks)
-    for _ in range(args.repeats):
-        engine_rate(
-            engine,
-            args.clients,
-            args.tokens,
-            args.context,
-            lambda finish: caches.append(int((finish.memory or {}).get("cache_bytes", 0))),
-        )
-    undo()
+    with around_steps(engine, peak_recorder(peaks)):
+        for _ in range(args.repeats):
+            engine_rate(
+                engine,
+                args.clients,
+                args.tokens,
+                args.context,
+                lambda finish: caches.append(int((finish.memory or {}).get("cache_bytes", 0))),
+            )
     top = max(entry["peak"] for entry in peaks.values())
     budget = weights + args.clients * max(caches)
     result = {
