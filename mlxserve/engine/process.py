@@ -437,4 +437,7 @@ def run_and_exit() -> None:
 
 
 if __name__ == "__main__":
-    run_and_exit()
+    # One entry point: `python -m mlxserve.engine` hides PyTorch before this module's
+    # imports reach transformers; by the time this line runs, they have imported it.
+    sys.stderr.write("start the engine with: python -m mlxserve.engine --socket PATH\n")
+    sys.exit(2)
