@@ -342,6 +342,7 @@ class Engine:
         )
         self.runner.chooser = chooser
         self.runner.clock = clock
+        self.runner.forget_last_step()
         return chooser
 
     def _count_progress(self) -> None:

@@ -66,8 +66,10 @@ class Runner:
     def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
         """Execute `plan`; returns the tokens each request emits in this step."""
         stepping = plan.kind != "prefill"
-        if self.chooser is not None and stepping and self._last_step is not None:
-            served, ended = self._last_step
+        # Taken, not read: a step that fails leaves no start for the next gap.
+        last, self._last_step = self._last_step, None
+        if self.chooser is not None and stepping and last is not None:
+            served, ended = last
             if served == tuple(plan.request_ids):
                 self.chooser.observe_between(self.clock() - ended)
         emitted: dict[str, list[int]] = {}
@@ -84,6 +86,11 @@ class Runner:
             sequence.transcript.extend(emitted.get(sequence.request_id, ()))
         self._last_step = (tuple(plan.request_ids), self.clock()) if stepping else None
         return emitted
+
+    def forget_last_step(self) -> None:
+        """The next step starts no gap: what ran since the last one was not the
+        engine's usual work between steps (a calibration, which also changes `clock`)."""
+        self._last_step = None
 
     @property
     def batched(self) -> int:
@@ -123,6 +130,10 @@ class Runner:
         """A request finished: its share of the cache bytes; outside any batch, its
         final state is kept for reuse now (batched rows leave in ``settle``)."""
         self._live.discard(sequence.request_id)
+        if self._last_step is not None and sequence.request_id in self._last_step[0]:
+            # The same id may come back later (a caller's own ids, a prefix-cache hit
+            # that needs no prefill): the wait in between is not the engine's.
+            self._last_step = None
         batch = self._batch_of.get(sequence.request_id)
         if batch is not None:
             return batch.state.nbytes() // max(len(batch.rows), 1)

@@ -1,11 +1,13 @@
 """MTP speculative decoding on DeepSeek-V4: greedy output identical to plain decoding."""
 
 import itertools
+import time
 
 import mlx.core as mx
 import pytest
 from mlx.nn.layers.base import Module
 
+from mlxserve.engine import engine as engine_module
 from mlxserve.engine.depth import (
     MIN_OBSERVED,
     PROBE_EVERY,
@@ -132,6 +134,65 @@ def test_the_time_between_a_requests_steps_is_observed(v4: Module) -> None:
     assert following >= 2 * 8  # most of both requests' steps
     assert len(gaps) == following
     assert all(gap >= 0 for gap in gaps) and chooser.overhead() > 0
+
+
+def test_no_gap_is_timed_across_the_calibration(
+    v4: Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The depth calibration runs between a request's first step and its next one, and
+    switches the runner to the clock that times rounds (CPU time on a CPU, whose zero
+    is not the wall clock's; here a clock 1000 s ahead, so the test does not depend on
+    where the two zeros happen to lie): neither the calibration's time nor the two
+    clocks' difference may enter the engine's time between steps."""
+
+    def ahead() -> float:
+        return time.perf_counter() + 1000.0
+
+    monkeypatch.setattr(engine_module, "cost_clock", lambda: ahead)
+    engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
+    measure = engine.adapter.measure_costs  # type: ignore[attr-defined]
+    spent: list[float] = []
+
+    def timed(**kwargs):  # type: ignore[no-untyped-def]
+        started = time.perf_counter()
+        costs = measure(**kwargs)
+        spent.append(time.perf_counter() - started)
+        return costs
+
+    engine.adapter.measure_costs = timed  # type: ignore[attr-defined]
+    gaps: list[float] = []
+    observe = DepthChooser.observe_between
+
+    def recorded(chooser: DepthChooser, seconds: float) -> None:
+        gaps.append(seconds)
+        observe(chooser, seconds)
+
+    monkeypatch.setattr(DepthChooser, "observe_between", recorded)
+    run(engine, GenerationRequest("a", PROMPT, 24))
+    assert engine.chooser is not None and len(spent) == 1
+    assert gaps  # the request's later steps were timed
+    assert all(0 <= gap < spent[0] / 2 for gap in gaps), (gaps, spent)
+
+
+def test_no_gap_is_timed_across_a_request_that_comes_back(v4: Module) -> None:
+    """A finished id may come back (a caller's own ids); with its prompt in the prefix
+    cache it needs no prefill, and the wait in between is not the engine's."""
+    engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
+    chooser = DepthChooser(max_depth=5, calibrated=DEAR)
+    engine.chooser = engine.runner.chooser = chooser
+    gaps: list[float] = []
+    observe = chooser.observe_between
+
+    def recorded(seconds: float) -> None:
+        gaps.append(seconds)
+        observe(seconds)
+
+    chooser.observe_between = recorded  # type: ignore[method-assign]
+    idle = 0.3
+    for _ in range(2):
+        run(engine, GenerationRequest("same", PROMPT, 8))
+        time.sleep(idle)
+    assert gaps and max(gaps) < idle / 2, gaps
 
 
 def test_only_far_probes_space_out_and_drafting_resets_them(v4: Module) -> None:
