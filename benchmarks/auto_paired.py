@@ -9,7 +9,13 @@ hit the engines alike; the ratio ``auto`` / depth d is taken within each round.
 Per prompt and depth it reports the median of those ratios and a bootstrap interval
 of that median (``--confidence``), and a verdict against 0.97: ``met`` when the
 interval lies above it, ``missed`` when below, ``unresolved`` when it straddles it.
-The best fixed depth of a prompt is the one with the highest median rate.
+The best fixed depth of a prompt is the one with the highest median rate. It is
+chosen from the same rounds it is then compared in, so the noise that favoured it
+counts against ``auto``: the verdict against it leans towards missed.
+
+Every engine runs a warm-up reply first and then forgets it (`Engine.forget_warm_up`,
+as ``mlxserve serve`` does). Each engine's last reply reports its acceptance per draft
+position (``auto_last_reply``, ``fixed_last_reply``).
 
 It also times Python's garbage collections during the timed replies (``gc.callbacks``):
 a collection of the oldest generation walks every object the process holds, and a
@@ -131,8 +137,9 @@ def main() -> None:
         }
         for engine in engines.values():  # untimed: kernels compile on a shape's first use
             run_one(engine, GenerationRequest("warm-up", ids, args.tokens))
+            engine.forget_warm_up()  # as `mlxserve serve` does after its warm-up
         rates: dict[str, list[float]] = {name: [] for name in engines}
-        last_auto: Any = None
+        last_reply: dict[str, Any] = {}
         gc.callbacks.append(timer)
         try:
             for _ in range(args.rounds):
@@ -141,8 +148,7 @@ def main() -> None:
                 for name in order:
                     rate, finish = decode_rate(engines[name], ids, args.tokens, 1)
                     rates[name].append(rate)
-                    if name == "auto":
-                        last_auto = finish.speculative
+                    last_reply[name] = finish.speculative
         finally:
             gc.callbacks.remove(timer)
         medians = {name: statistics.median(values) for name, values in rates.items()}
@@ -164,7 +170,8 @@ def main() -> None:
                 "auto_over": against,
                 "auto_over_depth0": against["0"]["verdict"],
                 "auto_over_best_fixed": against[best]["verdict"],
-                "auto_last_reply": last_auto,
+                "auto_last_reply": last_reply["auto"],
+                "fixed_last_reply": {str(d): last_reply[str(d)] for d in depths if d},
                 "auto_costs_in_plain_steps": chooser_costs(engines["auto"]),
             }
         )

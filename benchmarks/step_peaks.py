@@ -131,6 +131,12 @@ def main() -> None:
         "tokens": args.tokens,
         "repeats": args.repeats,
         "prefill_queue_every": args.prefill_queue_every,
+        "context": args.context,
+        **(
+            {"hidden": args.hidden, "experts": args.experts, "vocab": args.vocab}
+            if args.model == "flash"
+            else {}
+        ),
         "weights_bytes": weights,
         "one_request_cache_bytes": max(caches),
         "largest_peak_bytes": top,
