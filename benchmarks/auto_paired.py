@@ -33,10 +33,8 @@ import statistics
 import time
 from typing import Any
 
-from engine import PROMPTS, chooser_costs, decode_rate, run_one
+from engine import PROMPTS, chooser_costs, decode_rate, warmed_engines
 
-from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.request import GenerationRequest
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
@@ -117,7 +115,7 @@ def main() -> None:
     configure_cuda_graphs()  # as the CLI does, before any device work
 
     from mlxserve.commands.generate import encode_prompt
-    from mlxserve.engine.build import adapter_for, materialize
+    from mlxserve.engine.build import materialize
     from mlxserve.models import load
 
     model, tokenizer = load("demo")
@@ -127,17 +125,7 @@ def main() -> None:
     prompts: list[dict[str, Any]] = []
     for text in PROMPTS[: args.prompts]:
         ids = tuple(encode_prompt(tokenizer, text, chat=True))
-        names: list[int | str] = [*depths, "auto"]
-        engines = {
-            str(name): Engine(
-                adapter_for(model, name),  # type: ignore[arg-type]
-                EngineConfig(speculative_depth=name, prefix_cache_entries=0),  # type: ignore[arg-type]
-            )
-            for name in names
-        }
-        for engine in engines.values():  # untimed: kernels compile on a shape's first use
-            run_one(engine, GenerationRequest("warm-up", ids, args.tokens))
-            engine.forget_warm_up()  # as `mlxserve serve` does after its warm-up
+        engines = warmed_engines(model, ids, [*depths, "auto"], args.tokens)
         rates: dict[str, list[float]] = {name: [] for name in engines}
         last_reply: dict[str, Any] = {}
         gc.callbacks.append(timer)

@@ -77,6 +77,27 @@ def chooser_costs(engine: Engine) -> dict[str, Any] | None:
     }
 
 
+def warmed_engines(
+    model: Any, prompt: tuple[int, ...], depths: list[int | str], tokens: int
+) -> dict[str, Engine]:
+    """One engine per depth (no prefix cache), each having run one untimed reply of
+    `prompt` (kernels compile on a shape's first use) and then forgotten it, as
+    ``mlxserve serve`` forgets its warm-up."""
+    from mlxserve.engine.build import adapter_for
+
+    engines = {
+        str(depth): Engine(
+            adapter_for(model, depth),  # type: ignore[arg-type]
+            EngineConfig(speculative_depth=depth, prefix_cache_entries=0),  # type: ignore[arg-type]
+        )
+        for depth in depths
+    }
+    for engine in engines.values():
+        run_one(engine, GenerationRequest("warm-up", prompt, tokens))
+        engine.forget_warm_up()
+    return engines
+
+
 def mlx_lm_rate(model: Any, tokenizer: Any, prompt: list[int], n: int, repeats: int) -> float:
     from mlx_lm.generate import stream_generate
 
@@ -124,15 +145,7 @@ def main() -> None:
     prompts: list[dict[str, Any]] = []
     for text in PROMPTS[: args.prompts]:
         ids = tuple(encode_prompt(tokenizer, text, chat=True))
-        engines = {
-            str(depth): Engine(
-                adapter_for(model, depth),  # type: ignore[arg-type]
-                EngineConfig(speculative_depth=depth, prefix_cache_entries=0),  # type: ignore[arg-type]
-            )
-            for depth in DEPTHS
-        }
-        for engine in engines.values():  # untimed: kernels compile on a shape's first use
-            run_one(engine, GenerationRequest("warm-up", ids, args.tokens))
+        engines = warmed_engines(model, ids, list(DEPTHS), args.tokens)
         rates: dict[str, list[float]] = {name: [] for name in engines}
         ratios: dict[str, list[float]] = {name: [] for name in engines}
         finishes: dict[str, Any] = {}

@@ -101,6 +101,19 @@ def test_a_plain_request_probes_less_and_less_while_probes_fail(v4: Module) -> N
     assert finish.speculative["depths_chosen"]["1"] == 2
 
 
+def recorded_gaps(chooser: DepthChooser) -> list[float]:
+    """The times between steps `chooser` observes from now on, in order."""
+    gaps: list[float] = []
+    observe = chooser.observe_between
+
+    def recorded(seconds: float) -> None:
+        gaps.append(seconds)
+        observe(seconds)
+
+    chooser.observe_between = recorded  # type: ignore[method-assign]
+    return gaps
+
+
 def test_the_time_between_a_requests_steps_is_observed(v4: Module) -> None:
     """Every step of a request after its first is preceded by the engine's own work,
     timed from the end of the one before (`DepthChooser.overhead`); nothing is timed
@@ -116,14 +129,7 @@ def test_the_time_between_a_requests_steps_is_observed(v4: Module) -> None:
         return run_step(plan, sequences)
 
     engine.runner.run = counted  # type: ignore[method-assign]
-    gaps: list[float] = []
-    observe = chooser.observe_between
-
-    def recorded(seconds: float) -> None:
-        gaps.append(seconds)
-        observe(seconds)
-
-    chooser.observe_between = recorded  # type: ignore[method-assign]
+    gaps = recorded_gaps(chooser)
     for rid in ("a", "b"):
         run(engine, GenerationRequest(rid, PROMPT, 12))
     following = sum(
@@ -180,14 +186,7 @@ def test_no_gap_is_timed_across_a_request_that_comes_back(v4: Module) -> None:
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
     chooser = DepthChooser(max_depth=5, calibrated=DEAR)
     engine.chooser = engine.runner.chooser = chooser
-    gaps: list[float] = []
-    observe = chooser.observe_between
-
-    def recorded(seconds: float) -> None:
-        gaps.append(seconds)
-        observe(seconds)
-
-    chooser.observe_between = recorded  # type: ignore[method-assign]
+    gaps = recorded_gaps(chooser)
     idle = 0.3
     for _ in range(2):
         run(engine, GenerationRequest("same", PROMPT, 8))
