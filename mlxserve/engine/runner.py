@@ -84,7 +84,8 @@ class Runner:
                 emitted[sequence.request_id] = self._speculate(sequence, plan.num_tokens)
         for sequence in sequences:
             sequence.transcript.extend(emitted.get(sequence.request_id, ()))
-        self._last_step = (tuple(plan.request_ids), self.clock()) if stepping else None
+        if stepping and self.chooser is not None:  # only an automatic depth reads it
+            self._last_step = (tuple(plan.request_ids), self.clock())
         return emitted
 
     def forget_last_step(self) -> None:
