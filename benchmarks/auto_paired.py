@@ -15,14 +15,15 @@ counts against ``auto``: the verdict against it leans towards missed.
 
 Every engine runs a warm-up reply first and then forgets it (`Engine.forget_warm_up`,
 as ``mlxserve serve`` does). Each engine's last reply reports its acceptance per draft
-position (``auto_last_reply``, ``fixed_last_reply``).
+position (``auto_last_reply``, ``fixed_last_reply``), and ``auto_depths_per_round``
+lists the depths ``auto`` ran in each of its timed replies.
 
 It also times Python's garbage collections during the timed replies (``gc.callbacks``):
 a collection of the oldest generation walks every object the process holds, and a
 pause of that kind lands on one reply and not its pair.
 
 Run: python benchmarks/auto_paired.py [--tokens 128] [--rounds 12] [--prompts 5]
-[--depths 0,1,2,3] [--confidence 0.9] [--seed 0]
+[--first-prompt 0] [--depths 0,1,2,3] [--confidence 0.9] [--seed 0]
 """
 
 import argparse
@@ -100,6 +101,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=len(PROMPTS))
+    parser.add_argument(
+        "--first-prompt", type=int, default=0, help="index of the first prompt (split a long run)"
+    )
     parser.add_argument("--depths", default="0,1,2,3", help="fixed depths beside auto")
     parser.add_argument("--confidence", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
@@ -110,6 +114,8 @@ def main() -> None:
         parser.error(str(error).replace("invalid literal for int() with base 10", "--depths"))
     if min(args.tokens, args.rounds) < 2 or not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--tokens and --rounds must be >= 2, --prompts in 1..{len(PROMPTS)}")
+    if not 0 <= args.first_prompt < len(PROMPTS):
+        parser.error(f"--first-prompt must be in 0..{len(PROMPTS) - 1}")
     if not 0 < args.confidence < 1:
         parser.error("--confidence must be between 0 and 1")
     configure_cuda_graphs()  # as the CLI does, before any device work
@@ -123,11 +129,12 @@ def main() -> None:
     rng = random.Random(args.seed)
     timer = CollectionTimer()
     prompts: list[dict[str, Any]] = []
-    for text in PROMPTS[: args.prompts]:
+    for text in PROMPTS[args.first_prompt : args.first_prompt + args.prompts]:
         ids = tuple(encode_prompt(tokenizer, text, chat=True))
         engines = warmed_engines(model, ids, [*depths, "auto"], args.tokens)
         rates: dict[str, list[float]] = {name: [] for name in engines}
         last_reply: dict[str, Any] = {}
+        auto_depths: list[dict[str, int]] = []
         gc.callbacks.append(timer)
         try:
             for _ in range(args.rounds):
@@ -137,6 +144,8 @@ def main() -> None:
                     rate, finish = decode_rate(engines[name], ids, args.tokens, 1)
                     rates[name].append(rate)
                     last_reply[name] = finish.speculative
+                    if name == "auto":
+                        auto_depths.append(finish.speculative["depths_chosen"])
         finally:
             gc.callbacks.remove(timer)
         medians = {name: statistics.median(values) for name, values in rates.items()}
@@ -159,6 +168,7 @@ def main() -> None:
                 "auto_over_depth0": against["0"]["verdict"],
                 "auto_over_best_fixed": against[best]["verdict"],
                 "auto_last_reply": last_reply["auto"],
+                "auto_depths_per_round": auto_depths,
                 "fixed_last_reply": {str(d): last_reply[str(d)] for d in depths if d},
                 "auto_costs_in_plain_steps": chooser_costs(engines["auto"]),
             }
@@ -169,6 +179,7 @@ def main() -> None:
         "rounds": args.rounds,
         "confidence": args.confidence,
         "seed": args.seed,
+        "first_prompt": args.first_prompt,
         "target": TARGET,
         "prompts": prompts,
         "gc_during_timed_replies": timer.report(),

@@ -61,7 +61,8 @@ def decode_rate(engine: Engine, prompt: tuple[int, ...], n: int, repeats: int) -
 def chooser_costs(engine: Engine) -> dict[str, Any] | None:
     """What the automatic depth weighed, in the calibration's plain steps: its round
     per depth, the median of the rounds it observed (where it follows them), and the
-    engine's time between steps that it adds to each."""
+    engine's time between steps that it adds to each. ``observed_window``: the times
+    behind each observed median, oldest first."""
     chooser = engine.chooser
     if chooser is None:
         return None
@@ -72,6 +73,10 @@ def chooser_costs(engine: Engine) -> dict[str, Any] | None:
             k: chooser.calibrated.round(k) / plain for k in range(1, chooser.max_depth + 1)
         },
         "observed": {k: t / plain for k, t in sorted(chooser.observed.items())},
+        "observed_window": {
+            k: [round(t / plain, 3) for t in window]
+            for k, window in sorted(chooser.samples.items())
+        },
         "between_steps": chooser.overhead() / plain,
         "follow_observed": chooser.follow_observed,
     }
