@@ -18,7 +18,8 @@ depth: once measured, or estimated far worse, exploring would only cost rounds a
 a depth judged worse.
 Round costs start from a calibration (`round_costs.measure_round_costs`), its
 probes interleaved so they compare like with like, and on a GPU follow the round
-times the engine observes; timed by `mlxserve.hardware.clock` (CPU time on a CPU
+times the engine observes (recent ones: a depth not timed for a while is priced by
+the calibration again, `STALE_AFTER`); timed by `mlxserve.hardware.clock` (CPU time on a CPU
 device, where the wall clock counts other processes' turns and made the choice
 chase noise; there observed times only scale the calibration, see that module).
 """
@@ -84,6 +85,15 @@ SWITCH_MARGIN = 0.05
 OBSERVED_WINDOW = 9
 #: Observations a depth needs before its median replaces the calibrated estimate.
 MIN_OBSERVED = 3
+#: A depth none of whose last this many observations (steps and rounds at any depth)
+#: was at it loses its window: its times came from another moment of the host. On an
+#: H100 (stop 25) a request that decoded plainly for the start of its first reply and
+#: drafted at depth 1 from then on kept those plain steps' times for 23 more replies:
+#: 4.9-24.5 ms, median 8.65 ms, while a depth-0 engine decoded at 3.7 ms a token in the
+#: same rounds. Plain decoding looked twice as dear as it was, and `auto` drafted at
+#: 0.93 of depth 0. About two replies of 128 tokens: long enough that a depth in use
+#: keeps its window, short enough that one left behind is re-measured before long.
+STALE_AFTER = 256
 #: Depth-1 rounds of one request after which a probe no longer drafts on to get depth
 #: 1 timed: the untimed first round, the first timed one (dropped) and MIN_OBSERVED.
 PROBE_ROUNDS = 2 + MIN_OBSERVED
@@ -164,6 +174,9 @@ class DepthChooser:
     follow_observed: bool = True
     # The engine's own time between two steps of a request (`observe_between`).
     between: deque[float] = field(default_factory=lambda: deque(maxlen=OBSERVED_WINDOW))
+    # Observations so far (at any depth), and the count at each depth's latest one.
+    ticks: int = 0
+    last_tick: dict[int, int] = field(default_factory=dict)
 
     def costs(self) -> RoundCosts:
         """Calibrated costs, replaced by observed round times where there are some
@@ -189,10 +202,27 @@ class DepthChooser:
         if depth not in self.seen:
             self.seen.add(depth)
             return
+        self.ticks += 1
+        self.last_tick[depth] = self.ticks
+        self._expire()
         window = self.samples.setdefault(depth, deque(maxlen=OBSERVED_WINDOW))
         window.append(seconds)
         if len(window) >= MIN_OBSERVED:
             self.observed[depth] = statistics.median(window)
+
+    def _expire(self) -> None:
+        """Drop the window of every depth not observed in the last STALE_AFTER
+        observations: it falls back to the calibration, scaled like the fresh ones,
+        until MIN_OBSERVED new times are taken. Only with `follow_observed`: without
+        it the windows rank nothing, and an expired one would only send a depth to
+        be explored again (`explored`) for times that are not used."""
+        if not self.follow_observed:
+            return
+        for depth, tick in list(self.last_tick.items()):
+            if self.ticks - tick >= STALE_AFTER:
+                del self.last_tick[depth]
+                self.samples.pop(depth, None)
+                self.observed.pop(depth, None)
 
     def observe_between(self, seconds: float) -> None:
         """The engine's time from the end of one step of a request to the start of its
@@ -221,6 +251,7 @@ class DepthChooser:
         self.samples.clear()
         self.observed.clear()
         self.between.clear()
+        self.last_tick.clear()
 
     def prior(self) -> list[float]:
         """Acceptance per position over the requests this engine has served so far."""

@@ -11,6 +11,7 @@ from mlxserve.engine.depth import (
     PROBE_NEAR_EVERY,
     PROBE_ROUNDS,
     RECHECK_EVERY,
+    STALE_AFTER,
     UNSEEN_DISCOUNT,
     DepthChooser,
     choose_depth,
@@ -112,6 +113,40 @@ def test_observed_round_times_are_a_median_that_ignores_an_outlier() -> None:
     chooser.observe(2, 1.2)
     assert chooser.observed[2] == pytest.approx(1.2)
     assert chooser.costs().round(2) == pytest.approx(1.2)
+
+
+def test_a_depth_left_behind_loses_its_stale_window() -> None:
+    """Plain steps timed in a slow spell at a reply's start, then only depth-1 rounds:
+    the plain steps' window expires after STALE_AFTER observations and plain decoding
+    is priced by the calibration, scaled like the fresh rounds (on an H100 the stale
+    window priced it at twice its cost and kept a request drafting at a loss)."""
+    chooser = DepthChooser(max_depth=1, calibrated=RoundCosts(plain=1.0, rounds={1: 1.7}))
+    stats = SpeculativeStats()
+    for i in range(100):
+        stats.record(1, 1 if i % 5 < 3 else 0)  # E(1) about 1.6: 0.94 of plain at 1.7 steps
+    for _ in range(1 + MIN_OBSERVED):
+        chooser.observe(0, 2.5)
+        chooser.observe(1, 1.7)
+    assert chooser.choose(stats, plain_streak=0) == 1  # plain looks 2.5 steps dear
+    for _ in range(STALE_AFTER - 2):  # with the round after it: STALE_AFTER - 1 since
+        chooser.observe(1, 1.7)
+    assert chooser.observed[0] == pytest.approx(2.5)  # not stale yet
+    chooser.observe(1, 1.7)
+    assert 0 not in chooser.observed and 0 not in chooser.samples
+    assert chooser.observed[1] == pytest.approx(1.7)  # the depth in use keeps its window
+    assert chooser.costs().round(0) == pytest.approx(1.0)
+    assert chooser.choose(stats, plain_streak=0) == 0
+    # Timed again, plain decoding counts from MIN_OBSERVED new times (none dropped).
+    for _ in range(MIN_OBSERVED):
+        chooser.observe(0, 1.1)
+    assert chooser.observed[0] == pytest.approx(1.1)
+    # Without following observed times (a CPU's) windows rank nothing and stay.
+    cpu = DepthChooser(max_depth=1, calibrated=chooser.calibrated, follow_observed=False)
+    for _ in range(1 + MIN_OBSERVED):
+        cpu.observe(0, 2.5)
+    for _ in range(2 * STALE_AFTER):
+        cpu.observe(1, 1.7)
+    assert cpu.observed[0] == pytest.approx(2.5)
 
 
 def test_an_explored_depth_is_not_explored_again() -> None:
