@@ -114,8 +114,8 @@ def main() -> None:
         parser.error(str(error).replace("invalid literal for int() with base 10", "--depths"))
     if min(args.tokens, args.rounds) < 2 or not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--tokens and --rounds must be >= 2, --prompts in 1..{len(PROMPTS)}")
-    if not 0 <= args.first_prompt < len(PROMPTS):
-        parser.error(f"--first-prompt must be in 0..{len(PROMPTS) - 1}")
+    if not 0 <= args.first_prompt <= len(PROMPTS) - args.prompts:
+        parser.error(f"--first-prompt + --prompts must be at most {len(PROMPTS)}")
     if not 0 < args.confidence < 1:
         parser.error("--confidence must be between 0 and 1")
     configure_cuda_graphs()  # as the CLI does, before any device work

@@ -61,8 +61,8 @@ def decode_rate(engine: Engine, prompt: tuple[int, ...], n: int, repeats: int) -
 def chooser_costs(engine: Engine) -> dict[str, Any] | None:
     """What the automatic depth weighed, in the calibration's plain steps: its round
     per depth, the median of the rounds it observed (where it follows them), and the
-    engine's time between steps that it adds to each. ``observed_window``: the times
-    behind each observed median, oldest first."""
+    engine's time between steps that it adds to each. ``observed_window``: each
+    depth's timed rounds, oldest first (a median counts from MIN_OBSERVED of them)."""
     chooser = engine.chooser
     if chooser is None:
         return None

@@ -1,13 +1,14 @@
 """Which of the automatic depth's timed plain steps agree with depth 0's pace; prints JSON.
 
-On an H100 (stop 25, `auto_paired_h100_stop25_*.json`) the automatic engine's window
-of timed plain steps held 4.4-30 ms, medians 6-10 ms, while a depth-0 engine on the
+On an H100 (stop 25, `auto_paired_h100_stop25.json`) the automatic engine's windows
+of timed plain steps held 2.9-30 ms, medians 6-10 ms, while a depth-0 engine on the
 same prompt decoded at 3.7-4.1 ms a token, all its overhead included. The chooser
 then priced plain decoding at 2-3 times its cost and drafted where depth 0 was best.
-This times every step of the automatic engine's replies and groups its timed plain
-steps by how many plain steps came before them since the request last drafted
-(``streak``) and by the reply they fell in, beside depth 0's time per token, so the
-steps whose times mislead can be told apart.
+This records every step of the automatic engine's replies that the chooser times
+(`DepthChooser.observe`) and groups the plain ones by how many plain steps came
+before them since the request last drafted (``streak``) and by the reply they fell
+in, beside depth 0's time per token, so the steps whose times mislead can be told
+apart.
 
 Run: python benchmarks/plain_observations.py [--tokens 128] [--replies 6] [--prompts 2]
 """
@@ -15,7 +16,6 @@ Run: python benchmarks/plain_observations.py [--tokens 128] [--replies 6] [--pro
 import argparse
 import json
 import statistics
-import time
 from typing import Any
 
 from engine import PROMPTS, chooser_costs, decode_rate, warmed_engines
@@ -63,7 +63,6 @@ def traced_replies(engine: Any, ids: tuple[int, ...], tokens: int, replies: int)
     def recording_speculate(sequence: Any, depth: int) -> Any:
         current.clear()
         streak = sequence.plain_streak
-        started = time.perf_counter()
         out = speculate(sequence, depth)
         if "observed" in current:
             kind, seconds = current["observed"]
@@ -73,7 +72,6 @@ def traced_replies(engine: Any, ids: tuple[int, ...], tokens: int, replies: int)
                     "depth": kind,
                     "streak": streak,
                     "s": seconds,
-                    "wall_s": time.perf_counter() - started,
                     "at": len(sequence.generated),
                 }
             )
@@ -134,7 +132,13 @@ def main() -> None:
         auto = traced_replies(engines["auto"], ids, args.tokens, args.replies)
         depth0 += [1e3 / decode_rate(engines["0"], ids, args.tokens, 1)[0] for _ in range(3)]
         prompts.append({"prompt": text, "depth0_ms_per_token": depth0, "auto": auto})
-    print(json.dumps({"device": benchmark_device(), "tokens": args.tokens, "prompts": prompts}))
+    result = {
+        "device": benchmark_device(),
+        "tokens": args.tokens,
+        "replies": args.replies,
+        "prompts": prompts,
+    }
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

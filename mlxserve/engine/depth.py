@@ -91,8 +91,10 @@ MIN_OBSERVED = 3
 #: drafted at depth 1 from then on kept those plain steps' times for 23 more replies:
 #: 4.9-24.5 ms, median 8.65 ms, while a depth-0 engine decoded at 3.7 ms a token in the
 #: same rounds. Plain decoding looked twice as dear as it was, and `auto` drafted at
-#: 0.93 of depth 0. About two replies of 128 tokens: long enough that a depth in use
-#: keeps its window, short enough that one left behind is re-measured before long.
+#: 0.93 of depth 0. Only timed steps count (not a probe's first round, a batch's or a
+#: grammar's): about two 128-token replies decoded plainly, three to five drafting.
+#: Long enough that a depth in use keeps its window; one left behind is then priced
+#: by the calibration again, and re-timed if it is chosen or explored.
 STALE_AFTER = 256
 #: Depth-1 rounds of one request after which a probe no longer drafts on to get depth
 #: 1 timed: the untimed first round, the first timed one (dropped) and MIN_OBSERVED.

@@ -13,14 +13,11 @@ import hmac
 from collections.abc import Sequence
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mlxserve.server.errors import Unauthorized, error_response
 
 PROTECTED_PREFIX = "/v1/"
-#: Routes of the Anthropic Messages API, whose clients read its error shape.
-ANTHROPIC_PREFIX = "/v1/messages"
 PROTECTED_PATHS = ("/v1", "/status", "/tokenize", "/detokenize")
 
 
@@ -46,14 +43,7 @@ class BearerAuth:
             "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-        if scope["path"].startswith(ANTHROPIC_PREFIX):
-            body = {
-                "type": "error",
-                "error": {"type": "authentication_error", "message": error.message},
-            }
-            await JSONResponse(body, status_code=401, headers=error.headers)(scope, receive, send)
-            return
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope["path"])(scope, receive, send)
 
     @staticmethod
     def _protected(path: str) -> bool:

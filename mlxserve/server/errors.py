@@ -1,9 +1,12 @@
-"""OpenAI-style errors: one exception type per answer the client can act on.
+"""API errors: one exception type per answer the client can act on.
 
 Every error leaves the server as `{"error": {"message", "type", "param", "code"}}`
 with the status that says what to do next (fix the request, wait and retry,
-report a bug). Errors are mapped by type, never by matching messages, and an
-unexpected exception becomes a 500 whose body names no internals.
+report a bug); on the Anthropic Messages routes (`ANTHROPIC_PREFIX`) in that API's
+shape, `{"type": "error", "error": {"type", "message"}}`, whatever raised it (a
+route, a middleware, Starlette's routing, a bug). Errors are mapped by type, never
+by matching messages, and an unexpected exception becomes a 500 whose body names
+no internals.
 """
 
 import json
@@ -118,8 +121,31 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+#: Routes of the Anthropic Messages API, whose clients read its error shape.
+ANTHROPIC_PREFIX = "/v1/messages"
+
+#: Anthropic's error type by status.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+
+
+def anthropic_error(error: APIError) -> dict[str, Any]:
+    """`error` in the Anthropic Messages API's shape."""
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """`error` as the client of the route at `path` reads it."""
+    body = anthropic_error(error) if path.startswith(ANTHROPIC_PREFIX) else error.body()
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
 def from_validation_error(exc: ValidationError) -> InvalidRequest:
@@ -147,11 +173,11 @@ def invalid_json(exc: json.JSONDecodeError | UnicodeDecodeError) -> InvalidReque
 
 async def handle_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return error_response(exc)
+    return error_response(exc, request.url.path)
 
 
 async def handle_http_exception(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404 / 405 (unknown path or method) in the OpenAI shape."""
+    """Starlette's own 404 / 405 (unknown path or method) in the API's shape."""
     assert isinstance(exc, HTTPException)
     error: APIError
     if exc.status_code == 404:
@@ -163,10 +189,10 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
         error.status = exc.status_code
         error.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
     error.headers.update(exc.headers or {})
-    return error_response(error)
+    return error_response(error, request.url.path)
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:
     """A bug: log the traceback, answer 500 without it."""
     log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(InternalError("internal server error"))
+    return error_response(InternalError("internal server error"), request.url.path)

@@ -25,7 +25,7 @@ class BodySizeLimit:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await error_response(self._error())(scope, receive, send)
+            await error_response(self._error(), scope["path"])(scope, receive, send)
             return
         seen = 0
 

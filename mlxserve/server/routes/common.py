@@ -35,10 +35,48 @@ async def parse_body(request: Request, model: type[Model]) -> Model:
         raise invalid_json(exc) from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_json")
+    _refuse_lone_surrogates(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+
+
+def _refuse_lone_surrogates(data: dict[str, Any]) -> None:
+    """JSON may spell a lone UTF-16 surrogate (``"\\ud83d"``), which no text is made of:
+    the tokenizer cannot encode it. A 400 naming the first field that holds one."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        path = _surrogate_path(data) or "body"
+        raise InvalidRequest(
+            f"{path}: the text holds a lone UTF-16 surrogate, which is not valid Unicode",
+            param=path,
+            code="invalid_value",
+        ) from None
+
+
+def _surrogate_path(value: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (or key) in `value` that UTF-8 cannot encode."""
+    items: list[tuple[str, Any]] = []
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        items = [(str(key), item) for key, item in value.items()]
+        for key, _ in items:
+            if _surrogate_path(key) is not None:
+                return f"{path}.{key!a}".lstrip(".")
+    elif isinstance(value, list):
+        items = [(str(i), item) for i, item in enumerate(value)]
+    for key, item in items:
+        found = _surrogate_path(item, f"{path}.{key}".lstrip("."))
+        if found is not None:
+            return found
+    return None
 
 
 Item = TypeVar("Item")

@@ -22,7 +22,7 @@ from starlette.routing import Route
 from mlxserve.models.tool_calls import ParsedToolCall
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
 from mlxserve.server.chat_output import Content, Piece, Reasoning
-from mlxserve.server.errors import APIError
+from mlxserve.server.errors import APIError, anthropic_error, error_response
 from mlxserve.server.generation import Delta
 from mlxserve.server.routes.chat import Answer
 from mlxserve.server.routes.chat_call import read_chat
@@ -35,22 +35,6 @@ from mlxserve.server.routes.common import (
 )
 from mlxserve.server.sse import typed_sse_response
 
-#: OpenAI error type by status -> Anthropic's.
-_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-}
-
-
-def anthropic_error(error: APIError) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(error.status, "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
 
 def _anthropic(
     handler: Callable[[Request], Awaitable[Response]],
@@ -59,7 +43,7 @@ def _anthropic(
         try:
             return await handler(request)
         except APIError as exc:
-            return JSONResponse(anthropic_error(exc), status_code=exc.status, headers=exc.headers)
+            return error_response(exc, request.url.path)
 
     return wrapped
 
