@@ -177,6 +177,70 @@ def test_unknown_route_and_method(client: TestClient) -> None:
     assert_error(client.get("/v1/chat/completions"), 405)
 
 
+ANTHROPIC = {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello"}]}
+
+
+def assert_anthropic_error(response, status: int, kind: str) -> str:  # type: ignore[no-untyped-def]
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == kind
+    return body["error"]["message"]  # type: ignore[no-any-return]
+
+
+def test_anthropic_routes_answer_every_error_in_their_shape(
+    client: TestClient, codec: Codec
+) -> None:
+    """Not only the route's own errors: the body limit's, Starlette's 404 and 405, a bug's."""
+    big = {**ANTHROPIC, "messages": [{"role": "user", "content": "x" * 5000}]}
+    assert_anthropic_error(client.post("/v1/messages", json=big), 413, "request_too_large")
+    assert_anthropic_error(client.get("/v1/messages"), 405, "invalid_request_error")
+    assert_anthropic_error(client.get("/v1/messages/count_tokens"), 405, "invalid_request_error")
+    assert_anthropic_error(
+        client.post("/v1/messages/nothing", json=ANTHROPIC), 404, "not_found_error"
+    )
+    buggy = FakeBackend("primary", crash=True)
+    runtime = make_runtime(codec, [buggy])
+    buggy.up()
+    with TestClient(create_app(runtime), raise_server_exceptions=False) as crashing:
+        message = assert_anthropic_error(
+            crashing.post("/v1/messages", json=ANTHROPIC), 500, "api_error"
+        )
+        assert message == "internal server error"
+
+
+LONE = "\ud83d"  # a lone UTF-16 surrogate: json.dumps writes it as an escape, valid JSON
+LONE_USER = [{"role": "user", "content": LONE}]
+LONE_SYSTEM = [{"role": "system", "content": "a" + LONE}, *CHAT["messages"]]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {**CHAT, "messages": LONE_USER}, "messages.0.content"),
+        ("/v1/chat/completions", {**CHAT, "messages": LONE_SYSTEM}, "messages.0.content"),
+        ("/v1/completions", {"model": "demo", "prompt": LONE + "x", "max_tokens": 2}, "prompt"),
+        ("/tokenize", {"model": "demo", "prompt": LONE}, "prompt"),
+        ("/v1/responses", {"model": "demo", "input": LONE}, "input"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_its_field(
+    client: TestClient, fake: FakeBackend, path: str, body: dict[str, Any], param: str
+) -> None:
+    raw = json.dumps(body).encode()
+    response = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert assert_error(response, 400, param)["code"] == "invalid_value"
+    anthropic = {**ANTHROPIC, "messages": LONE_USER}
+    raw = json.dumps(anthropic).encode()
+    message = assert_anthropic_error(
+        client.post("/v1/messages", content=raw, headers={"content-type": "application/json"}),
+        400,
+        "invalid_request_error",
+    )
+    assert message.startswith("messages.0.content:")
+    assert fake.calls == []
+
+
 def test_queue_full_is_429_with_retry_after(codec: Codec) -> None:
     slow = FakeBackend("primary", delay_s=0.2)
     runtime = make_runtime(codec, [slow], max_queue=0)
