@@ -10,6 +10,7 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -323,6 +324,22 @@ class FallbackSettings(_Section):
         check_group_hosts(hosts)
         return hosts
 
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str | None) -> str | None:
+        """An address the remote backend can call; anything else is refused at startup
+        (it would only fail, with a log line, once the server was serving)."""
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"{url!r} is not an http:// or https:// address with a host")
+        try:
+            parts.port  # noqa: B018 (raises ValueError for a port out of range or not a number)
+        except ValueError as exc:
+            raise ValueError(f"{url!r}: {exc}") from None
+        return url
+
 
 class Settings(BaseSettings):
     """All of mlxserve's settings."""
@@ -411,25 +428,33 @@ def _describe(
 ) -> str:
     error = exc.errors()[0]
     loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
-    key = ".".join(loc) or "(top level)"
-    where = _source_of(loc, path, file_data, cli)
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
+    where = _source_of(loc, path, file_data, cli, list(error["loc"]))
     more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
     if error["type"] == "extra_forbidden":
         return f"{where}: unknown key '{key}'{more}"
     return f"{where}: invalid value for '{key}': {error['msg']}{more}"
 
 
-def _has_key(data: dict[str, Any], loc: list[str]) -> bool:
+def _has_key(data: dict[str, Any], loc: list[str] | list[str | int]) -> bool:
+    """Whether `data` holds the key at `loc` (an int steps into a list: [[fallback]])."""
     node: Any = data
     for part in loc:
-        if not isinstance(node, dict) or part not in node:
+        if isinstance(part, int):
+            if not isinstance(node, list) or not 0 <= part < len(node):
+                return False
+        elif not isinstance(node, dict) or part not in node:
             return False
         node = node[part]
     return True
 
 
 def _source_of(
-    loc: list[str], path: Path | None, file_data: dict[str, Any], cli: dict[str, Any]
+    loc: list[str],
+    path: Path | None,
+    file_data: dict[str, Any],
+    cli: dict[str, Any],
+    indexed: list[str | int] | None = None,
 ) -> str:
     """Where the bad value came from, by precedence: command line, a variable, the file.
 
@@ -441,7 +466,7 @@ def _source_of(
     variable = _env_variable(loc)
     if variable is not None:
         return variable
-    if path is not None and _has_key(file_data, loc):
+    if path is not None and _has_key(file_data, indexed if indexed is not None else loc):
         return str(path)
     return "MLXSERVE_" + "__".join(p.upper() for p in loc)
 

@@ -45,6 +45,8 @@ def test_fallbacks_from_the_file_and_env(tmp_path: Path, monkeypatch: pytest.Mon
         ("[[fallback]]\nname = 'x'\n", r"exactly one of 'model' \(local\) or 'url' \(remote\)"),
         ("[server]\nport = 70000\n", "invalid value for 'server.port'"),
         ("[server]\nprot = 1\n", "unknown key 'server.prot'"),
+        ("[[fallback]]\nurl = 'notaurl'\n", "'notaurl' is not an http:// or https:// address"),
+        ("[[fallback]]\nurl = 'http://h:99999/v1'\n", "Port out of range"),
     ],
 )
 def test_bad_server_settings_are_one_line(tmp_path: Path, text: str, message: str) -> None:
