@@ -18,6 +18,8 @@ from mlxserve.server.errors import InvalidRequest
 class Detokenizer(Protocol):
     """mlx-lm's streaming detokenizer interface (what `TextStream` needs)."""
 
+    text: str
+
     def add_token(self, token: int) -> None: ...
     def finalize(self) -> None: ...
     @property
@@ -132,6 +134,32 @@ class Codec:
     def detokenizer(self) -> Detokenizer:
         detokenizer: Detokenizer = self._tokenizer.detokenizer
         return detokenizer
+
+    def continuation_detokenizer(self) -> Detokenizer:
+        """A detokenizer for text that goes on from a prompt (``/v1/completions``).
+
+        mlx-lm's detokenizers drop the first token's leading space, as a reply that
+        starts a turn should; a continuation must keep it ("x" then " is" reads
+        "x is", and the text must match the tokens' offsets). They trim only while
+        their text is empty, so this one first reads a one-letter token and throws
+        that letter away.
+        """
+        detokenizer = self.detokenizer()
+        prime = self._prime_token()
+        if prime is None:
+            return detokenizer
+        detokenizer.add_token(prime)
+        if not detokenizer.text:  # held back (never for a plain letter): start clean
+            return self.detokenizer()
+        _ = detokenizer.last_segment  # the letter: not the client's text
+        return detokenizer
+
+    def _prime_token(self) -> int | None:
+        """One token that decodes to a plain letter, or None if the vocabulary has none."""
+        if not hasattr(self, "_prime"):
+            ids = self.text_ids("a")
+            self._prime = ids[0] if len(ids) == 1 and self.decode(ids).strip() == "a" else None
+        return self._prime
 
 
 def transcript(messages: list[dict[str, Any]]) -> str:

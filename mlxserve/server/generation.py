@@ -42,6 +42,8 @@ class Prepared:
     request_id: str
     params: GenerationParams
     stops: list[str]
+    # The text goes on from the prompt (a completion): its first space is kept.
+    continues_prompt: bool = False
 
     @property
     def prompt_tokens(self) -> int:
@@ -112,6 +114,8 @@ class Generations:
         stops: list[str],
         ignore_eos: bool = False,
         limit_param: str = "max_tokens",
+        prompt_param: str = "messages",
+        continues_prompt: bool = False,
         extra: Mapping[str, Any] | None = None,
     ) -> Prepared:
         """Checked parameters of one generation; ``extra`` sets the other
@@ -125,7 +129,7 @@ class Generations:
         if len(prompt_ids) >= context:
             raise ContextLengthExceeded(
                 f"the prompt has {len(prompt_ids)} tokens; the model's context is {context}",
-                param="messages",
+                param=prompt_param,
             )
         if max_tokens is None:
             max_tokens = context - len(prompt_ids)
@@ -147,7 +151,7 @@ class Generations:
             bias = dict(extra).get("logit_bias") or ()
             self.checked_ids([token for token, _ in bias], param="logit_bias")
             params = replace(params, **extra)
-        return Prepared(uuid.uuid4().hex, params, stops)
+        return Prepared(uuid.uuid4().hex, params, stops, continues_prompt)
 
     def again(self, prepared: Prepared, index: int) -> Prepared:
         """Choice ``index`` of an n-choice request: its own id and its own seed."""
@@ -155,14 +159,19 @@ class Generations:
         params = replace(
             prepared.params, seed=None if seed is None else (seed + index) % SEED_RANGE
         )
-        return Prepared(uuid.uuid4().hex, params, prepared.stops)
+        return Prepared(uuid.uuid4().hex, params, prepared.stops, prepared.continues_prompt)
 
     async def run(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
         """Deltas of text; raises an `APIError` if the request cannot be served."""
         arrived = time.perf_counter()
         async with self.admission.slot():
             job = Job(prepared.request_id, prepared.params)
-            text = TextStream(self.codec.detokenizer(), prepared.stops)
+            detokenizer = (
+                self.codec.continuation_detokenizer()
+                if prepared.continues_prompt
+                else self.codec.detokenizer()
+            )
+            text = TextStream(detokenizer, prepared.stops)
             last = None
             finish: Finished | None = None
             events = self.router.generate(job)

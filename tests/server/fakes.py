@@ -60,6 +60,8 @@ class FakeBackend(Backend):
         self.plan = plan
         self.calls: list[GenerationParams] = []
         self.cancelled: list[str] = []
+        # Tokens to generate first, in place of the made-up ones (a test's own text).
+        self.script: list[int] = []
         self._connected = False
 
     @property
@@ -107,7 +109,7 @@ class FakeBackend(Backend):
                     raise BackendUnavailable(f"fake '{self.name}' died")
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
-                token = next_token(context)
+                token = self.script[count] if count < len(self.script) else next_token(context)
                 context.append(token)
                 self.proof_of_life()
                 yield Tokens((token,))

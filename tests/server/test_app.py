@@ -75,6 +75,31 @@ def test_completions_token_prompt(client: TestClient, fake: FakeBackend) -> None
     assert fake.calls[0].max_tokens == 16  # OpenAI's default for completions
 
 
+def test_a_completion_keeps_the_space_its_first_token_starts_with(
+    client: TestClient, codec: Codec, fake: FakeBackend
+) -> None:
+    """The text goes on from the prompt: prompt + text is the whole, and it matches
+    the tokens' offsets. A chat reply starts a turn and reads without that space."""
+    words = codec.text_ids(" is not")
+    assert codec.decode(words[:1]).startswith(" ") or codec.decode(words).startswith(" ")
+    fake.script = words
+    response = client.post(
+        "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 3}
+    )
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["text"]
+    assert text.startswith(" is not"), text
+    streamed = codec.continuation_detokenizer()
+    plain = codec.detokenizer()
+    for token in words:
+        streamed.add_token(token)
+        plain.add_token(token)
+    streamed.finalize()
+    plain.finalize()
+    assert streamed.last_segment == " is not"
+    assert plain.last_segment == "is not"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
@@ -114,7 +139,7 @@ def test_invalid_chat_fields_are_400(
         ({"model": "demo", "prompt": ["a", "b"]}, "prompt"),
         ({"model": "demo", "prompt": [1, 5000]}, "prompt"),
         ({"model": "demo", "prompt": "x", "echo": True}, "echo"),
-        ({"model": "demo", "prompt": "x" * 300, "max_tokens": 1}, "messages"),
+        ({"model": "demo", "prompt": "x" * 300, "max_tokens": 1}, "prompt"),
     ],
 )
 def test_invalid_completion_fields_are_400(client: TestClient, body: dict, param: str) -> None:

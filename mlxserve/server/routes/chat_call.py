@@ -53,7 +53,11 @@ class ChatCall(Generic[Body]):
         return extra
 
     def prepare(
-        self, *, limit_param: str = "max_tokens", extra: dict[str, Any] | None = None
+        self,
+        *,
+        limit_param: str = "max_tokens",
+        prompt_param: str = "messages",
+        extra: dict[str, Any] | None = None,
     ) -> Prepared:
         """The checked generation of this call, from its internal chat request (the
         limit, temperature, top_p, seed, stops, ignore_eos) and `extra` (by default
@@ -68,6 +72,7 @@ class ChatCall(Generic[Body]):
             stops=chat.stop_strings(),
             ignore_eos=bool(chat.ignore_eos),
             limit_param=limit_param,
+            prompt_param=prompt_param,
             extra=self.extra() if extra is None else extra,
         )
 

@@ -49,6 +49,8 @@ async def completions(request: Request) -> Response:
         seed=body.seed,
         stops=body.stop_strings(),
         ignore_eos=bool(body.ignore_eos),
+        prompt_param="prompt",
+        continues_prompt=True,
         extra=extra,
     )
     meta: dict[str, Any] = {

@@ -210,7 +210,7 @@ async def responses(request: Request) -> Response:
     call = await read_chat(request, ResponsesRequest, to_chat)
     body, prompt = call.body, call.prompt
     generations = call.runtime.generations
-    prepared = call.prepare(limit_param="max_output_tokens")
+    prepared = call.prepare(limit_param="max_output_tokens", prompt_param="input")
     head: dict[str, Any] = {
         "id": f"resp_{prepared.request_id}",
         "object": "response",
