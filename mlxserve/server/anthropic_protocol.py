@@ -1,8 +1,10 @@
 """The Anthropic Messages request shapes, and their translation to the one internal
 chat request (`ChatCompletionRequest`) every API shares.
 
-Unknown fields are refused by name, as in the OpenAI codec. Content blocks mlxserve
-cannot read (images, documents, server tools) are refused by their position.
+Unknown fields are refused by name, as in the OpenAI codec, inside content blocks
+too; ``cache_control`` is accepted (the prefix cache is automatic) and ``citations``
+only empty (mlxserve never writes them). Content blocks mlxserve cannot read
+(images, documents, server tools) are refused by their position.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from mlxserve.server.errors import InvalidRequest
-from mlxserve.server.protocol import ChatCompletionRequest, function_tool, translated_chat
+from mlxserve.server.protocol import (
+    ChatCompletionRequest,
+    Echoed,
+    function_tool,
+    translated_chat,
+)
 
 
 class _Strict(BaseModel):
@@ -21,10 +28,14 @@ class _Strict(BaseModel):
 
 
 class _Block(BaseModel):
-    """Blocks are echoed back by clients with fields we need not read (``citations``,
-    ``cache_control``): lenient, but the ``type`` decides what is read."""
+    """A content block; the ``type`` decides what is read. Clients echo blocks back
+    with ``cache_control`` (accepted) and ``citations`` (accepted empty)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
+    cache_control: dict[str, Any] | None = Field(
+        None, description="accepted; changes nothing (the prefix cache is automatic)"
+    )
+    citations: Echoed = None
 
 
 class TextBlock(_Block):

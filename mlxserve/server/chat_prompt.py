@@ -82,7 +82,10 @@ def build_chat_prompt(
 ) -> ChatPrompt:
     thinking, thinking_field = requested_thinking(body)
     forced = forced_tools(body)
-    tools = [tool.function.model_dump(exclude_none=True) for tool in body.tools or []]
+    _check_strict(body, forced)
+    tools = [
+        tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools or []
+    ]
     if body.tool_choice == "none":
         tools = []
     if codec.prompt_format == "deepseek_v4":
@@ -131,6 +134,18 @@ def forced_tools(body: ChatCompletionRequest) -> list[FunctionDefinition] | None
     return tools
 
 
+def _check_strict(body: ChatCompletionRequest, forced: list[FunctionDefinition] | None) -> None:
+    """``strict: true`` promises arguments that follow the schema: kept only where the
+    answer must call that function (its grammar holds the arguments to the schema)."""
+    for i, tool in enumerate(body.tools or []):
+        if tool.function.strict and (forced is None or tool.function not in forced):
+            raise InvalidRequest(
+                "strict arguments are kept only where tool_choice forces a call of this "
+                "function ('required' or its name); with 'auto' the model writes them freely",
+                param=f"tools.{i}.function.strict",
+            )
+
+
 def _deepseek_v4(
     body: ChatCompletionRequest, codec: Codec, thinking: bool, tools: list[dict[str, Any]]
 ) -> ChatPrompt:
@@ -156,6 +171,10 @@ def _deepseek_v4(
 
 
 def _dsv4_message(index: int, message: ChatMessage) -> dsv4.Message:
+    if message.name:
+        raise InvalidRequest(
+            "the DeepSeek-V4 prompt format has no speaker names", param=f"messages.{index}.name"
+        )
     calls = tuple(
         dsv4.ToolCall(call.function.name, call.function.arguments, call.id)
         for call in message.tool_calls or []
@@ -219,15 +238,27 @@ def _generic(
     if think is None and thinking:
         raise InvalidRequest(f"{where} has no thinking mode", param=thinking_field)
     messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
+    named = [i for i, message in enumerate(body.messages) if message.name]
     if not codec.has_chat_template:
+        if named:
+            raise InvalidRequest(f"{where} has no speaker names", param=f"messages.{named[0]}.name")
         text = transcript(messages)
         return ChatPrompt(codec.text_ids(text), text)
     on = thinking if thinking is not None else default_thinking
     extra: dict[str, Any] = {} if on is None or think is None else {"enable_thinking": on}
-    tools = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+    tools = [
+        tool.model_dump(exclude_none=True, exclude={"function": {"strict"}})
+        for tool in body.tools or []
+    ]
     if tools and body.tool_choice != "none":
         extra["tools"] = tools
     text = codec.template_text(messages, **extra)
+    if named:
+        anonymous = [{k: v for k, v in m.items() if k != "name"} for m in messages]
+        if codec.template_text(anonymous, **extra) == text:
+            raise InvalidRequest(
+                f"{where} ignores speaker names", param=f"messages.{named[0]}.name"
+            )
     end = think[1] if think is not None and text.rstrip().endswith(think[0]) else None
     parser = None
     if markers is not None and "tools" in extra:

@@ -49,6 +49,7 @@ class APIError(Exception):
 class InvalidRequest(APIError):
     status = 400
     type = "invalid_request_error"
+    code = "invalid_value"
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -149,10 +150,32 @@ def error_response(error: APIError, path: str = "") -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
+#: Type names pydantic puts in an error's location for the member of a union it tried.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: tuple[int | str, ...]) -> list[str]:
+    """The location as the client wrote it: without the union members pydantic names
+    (``str``, ``list[ContentPart]``, ``literal['none','auto']``, ``NamedToolChoice``)."""
+    parts = []
+    for part in loc:
+        text = str(part)
+        member = (
+            text in _UNION_MEMBERS
+            or any(mark in text for mark in "[(-")
+            or (isinstance(part, str) and text[:1].isupper())
+        )
+        if not member:
+            parts.append(text)
+    return parts
+
+
 def from_validation_error(exc: ValidationError) -> InvalidRequest:
-    """The first problem of a pydantic error, with its field path as `param`."""
-    first = exc.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in first["loc"]) or None
+    """The deepest problem of a pydantic error (inside a union, the member that got
+    furthest), with its field path as `param`."""
+    errors = exc.errors(include_url=False)
+    path, first = max(((_field_path(e["loc"]), e) for e in errors), key=lambda pe: len(pe[0]))
+    param = ".".join(path) or None
     message = first["msg"]
     code = "invalid_value"
     if first["type"] == "extra_forbidden":

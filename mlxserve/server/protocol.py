@@ -3,12 +3,23 @@
 Requests refuse every field they do not know (a 400 that names it), so a client
 never gets an answer to a different question than it asked; fields that change
 nothing in the answer (``user``, ``metadata``, ``store``...) are listed and accepted.
-Nested objects (messages, tools) stay lenient: clients echo back whole objects.
+Nested objects (messages, content parts, tools, calls) do the same. Clients echo
+back whole assistant messages, with fields mlxserve never fills (``refusal``,
+``annotations``, ``audio``): those are accepted empty (`Echoed`) and refused
+otherwise.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from mlxserve.server.errors import from_validation_error
 
@@ -26,29 +37,43 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Lenient):
+def _empty(value: Any) -> Any:
+    if value not in (None, "", [], {}):
+        raise ValueError("mlxserve does not act on this field; send it empty or leave it out")
+    return value
+
+
+#: A field clients echo back that mlxserve never fills: accepted only empty.
+Echoed = Annotated[Any, AfterValidator(_empty)]
+
+
+class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
-class ContentPart(_Lenient):
+class ContentPart(_Strict):
     type: Literal["text"]
     text: str
+    cache_control: dict[str, Any] | None = Field(
+        None, description="accepted; changes nothing (the prefix cache is automatic)"
+    )
 
 
-class FunctionCall(_Lenient):
+class FunctionCall(_Strict):
     name: str = Field(min_length=1)
     arguments: str
 
 
-class ToolCall(_Lenient):
+class ToolCall(_Strict):
     """An assistant message's call, as the client sends it back in the history."""
 
     id: str = ""
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(None, description="accepted (a streamed call's position)")
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -57,6 +82,24 @@ class ChatMessage(_Lenient):
     )
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    refusal: Echoed = None
+    annotations: Echoed = None
+    audio: Echoed = None
+    function_call: Echoed = None
+
+    @field_validator("reasoning_content", "tool_calls")
+    @classmethod
+    def _assistant_only(cls, value: Any, info: ValidationInfo) -> Any:
+        if value and info.data.get("role") not in (None, "assistant"):
+            raise ValueError(f"only assistant messages carry {info.field_name}")
+        return value
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_only(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("role") not in (None, "tool"):
+            raise ValueError("only tool messages carry a tool_call_id")
+        return value
 
     def text(self) -> str:
         if self.content is None:
@@ -133,18 +176,21 @@ class GenerationBody(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class FunctionDefinition(_Lenient):
+class FunctionDefinition(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool | None = Field(
+        None, description="true: only where tool_choice forces a call (its grammar keeps it)"
+    )
 
 
-class Tool(_Lenient):
+class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class Thinking(_Lenient):
+class Thinking(_Strict):
     """DeepSeek's API control: ``{"type": "enabled" | "disabled"}``."""
 
     type: Literal["enabled", "disabled"]
@@ -255,7 +301,7 @@ class TokenizeKind(_Lenient):
     prompt: Any = None
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_Strict):
     model: str = Field(min_length=1)
     tokens: list[int]
 

@@ -12,6 +12,22 @@ from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend, greedy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+USER = {"role": "user", "content": "Hello"}
+PART = {"type": "text", "text": "Hello"}
+IMAGE = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+REFUSED = {"role": "assistant", "content": "x", "refusal": "no"}
+
+
+def with_message(message: dict[str, Any]) -> dict[str, Any]:
+    return {**CHAT, "messages": [message]}
+
+
+def with_function(**function: Any) -> dict[str, Any]:
+    return {**CHAT, "tools": [{"type": "function", "function": {"name": "f", **function}}]}
+
+
+def with_parts(*parts: dict[str, Any]) -> dict[str, Any]:
+    return with_message({"role": "user", "content": list(parts)})
 
 
 def assert_error(response, status: int, param: str | None = None) -> dict:  # type: ignore[no-untyped-def]
@@ -75,6 +91,42 @@ def test_completions_token_prompt(client: TestClient, fake: FakeBackend) -> None
     assert fake.calls[0].max_tokens == 16  # OpenAI's default for completions
 
 
+def test_echoed_fields_mlxserve_never_fills_are_accepted_empty(
+    client: TestClient, fake: FakeBackend
+) -> None:
+    """An assistant message sent back as the client got it: its empty extras pass."""
+    call = {
+        "id": "c1",
+        "type": "function",
+        "index": 0,
+        "function": {"name": "f", "arguments": "{}"},
+    }
+    echoed = {
+        "role": "assistant",
+        "content": None,
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+        "tool_calls": [call],
+    }
+    messages = [USER, echoed, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    parts = [{**PART, "cache_control": {"type": "ephemeral"}}]
+    body = {**CHAT, "messages": [*messages, {"role": "user", "content": parts}], "tools": tools}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    block = {"type": "text", "text": "Hi", "citations": [], "cache_control": {"type": "ephemeral"}}
+    anthropic = {**ANTHROPIC, "messages": [{"role": "user", "content": [block]}]}
+    assert client.post("/v1/messages", json=anthropic).status_code == 200
+    block = {"type": "text", "text": "Hi", "bogus": 1}
+    bogus = {**ANTHROPIC, "messages": [{"role": "user", "content": [block]}]}
+    message = assert_anthropic_error(
+        client.post("/v1/messages", json=bogus), 400, "invalid_request_error"
+    )
+    assert message.startswith("messages.0.content.0.bogus:"), message
+
+
 def test_a_completion_keeps_the_space_its_first_token_starts_with(
     client: TestClient, codec: Codec, fake: FakeBackend
 ) -> None:
@@ -122,8 +174,20 @@ def test_a_completion_keeps_the_space_its_first_token_starts_with(
         ({"messages": CHAT["messages"]}, "model"),
         ({**CHAT, "max_tokens": 300}, "max_tokens"),  # prompt + max_tokens > context 256
         ({**CHAT, "max_completion_tokens": 300}, "max_completion_tokens"),
+        # inside messages, content parts and tools too: nothing is dropped in silence
+        (with_message({**USER, "bogus": 1}), "messages.0.bogus"),
+        (with_parts({**PART, "bogus": 1}), "messages.0.content.0.bogus"),
+        (with_parts(IMAGE), "messages.0.content.0.type"),
+        (with_message({**USER, "reasoning_content": "hm"}), "messages.0.reasoning_content"),
+        (with_message({**USER, "tool_call_id": "c1"}), "messages.0.tool_call_id"),
+        ({**CHAT, "messages": [USER, REFUSED]}, "messages.1.refusal"),
+        (with_message({**USER, "name": "bob"}), "messages.0.name"),
+        (with_function(bogus=1), "tools.0.function.bogus"),
+        (with_function(strict=True), "tools.0.function.strict"),
+        ({**CHAT, "tool_choice": "always"}, "tool_choice"),
+        ({**CHAT, "stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus"),
     ],
-)
+)  # fmt: skip
 def test_invalid_chat_fields_are_400(
     client: TestClient, fake: FakeBackend, body: dict, param: str
 ) -> None:
