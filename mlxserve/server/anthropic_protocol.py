@@ -1,9 +1,10 @@
 """The Anthropic Messages request shapes, and their translation to the one internal
 chat request (`ChatCompletionRequest`) every API shares.
 
-Unknown fields are refused by name, as in the OpenAI codec, inside content blocks
-too; ``cache_control`` is accepted (the prefix cache is automatic) and ``citations``
-only empty (mlxserve never writes them). Content blocks mlxserve cannot read
+Unknown fields are refused by name, as in the OpenAI codec. Content blocks, which
+clients echo back whole, accept an unknown key only empty (an SDK field nobody
+filled, as ``citations`` or ``caller``) and ``cache_control`` (the prefix cache is
+automatic). Content blocks mlxserve cannot read
 (images, documents, server tools) are refused by their position.
 """
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.protocol import (
     ChatCompletionRequest,
-    Echoed,
+    Echoing,
     function_tool,
     translated_chat,
 )
@@ -27,15 +28,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class _Block(BaseModel):
-    """A content block; the ``type`` decides what is read. Clients echo blocks back
-    with ``cache_control`` (accepted) and ``citations`` (accepted empty)."""
+class _Block(Echoing):
+    """A content block; the ``type`` decides what is read."""
 
-    model_config = ConfigDict(extra="forbid")
     cache_control: dict[str, Any] | None = Field(
         None, description="accepted; changes nothing (the prefix cache is automatic)"
     )
-    citations: Echoed = None
 
 
 class TextBlock(_Block):

@@ -95,6 +95,16 @@ def build_chat_prompt(
     else:
         prompt = _generic(body, codec, thinking, thinking_field, default_thinking)
         style = "json_tools" if codec.tool_parser_name == "json_tools" else None
+        last = len(body.messages) - 1
+        if body.messages[last].role == "assistant":
+            # A template closes that turn and opens a new one, where the client asked
+            # to continue it (Anthropic's prefill): another answer than it asked for.
+            # (DeepSeek-V4's encoder refuses such a conversation itself.)
+            raise InvalidRequest(
+                "the conversation ends with an assistant message: continuing a prefilled "
+                "answer is not supported; end with a user, developer or tool message",
+                param=f"messages.{last}.role",
+            )
     if forced is None:
         return prompt
     if style is None:

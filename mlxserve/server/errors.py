@@ -170,15 +170,25 @@ def _field_path(loc: tuple[int | str, ...]) -> list[str]:
     return parts
 
 
+def _named_field(error: Any) -> list[str]:
+    """The key an object's own check refused (``unsupported_field``: an unknown key
+    with a value, `mlxserve.server.protocol.Echoing`), which pydantic's location,
+    the object's, does not hold."""
+    if error["type"] == "unsupported_field":
+        return [str(error.get("ctx", {}).get("field", ""))]
+    return []
+
+
 def from_validation_error(exc: ValidationError) -> InvalidRequest:
     """The deepest problem of a pydantic error (inside a union, the member that got
     furthest), with its field path as `param`."""
     errors = exc.errors(include_url=False)
-    path, first = max(((_field_path(e["loc"]), e) for e in errors), key=lambda pe: len(pe[0]))
+    paths = [(_field_path(e["loc"]) + _named_field(e), e) for e in errors]
+    path, first = max(paths, key=lambda pe: len(pe[0]))
     param = ".".join(path) or None
     message = first["msg"]
     code = "invalid_value"
-    if first["type"] == "extra_forbidden":
+    if first["type"] in ("extra_forbidden", "unsupported_field"):
         message, code = "this field is not supported by mlxserve", "unsupported_field"
     if param:
         message = f"{param}: {message}"

@@ -3,23 +3,24 @@
 Requests refuse every field they do not know (a 400 that names it), so a client
 never gets an answer to a different question than it asked; fields that change
 nothing in the answer (``user``, ``metadata``, ``store``...) are listed and accepted.
-Nested objects (messages, content parts, tools, calls) do the same. Clients echo
-back whole assistant messages, with fields mlxserve never fills (``refusal``,
-``annotations``, ``audio``): those are accepted empty (`Echoed`) and refused
-otherwise.
+Nested objects (messages, content parts, tools, calls) do the same, but clients
+echo them back whole, with fields their SDK has and mlxserve never fills
+(``refusal``, ``annotations``, ``audio`` as null or empty): an unknown key there is
+accepted empty and refused with a value (`Echoing`).
 """
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from mlxserve.server.errors import from_validation_error
 
@@ -37,21 +38,28 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _empty(value: Any) -> Any:
-    if value not in (None, "", [], {}):
-        raise ValueError("mlxserve does not act on this field; send it empty or leave it out")
-    return value
+class Echoing(BaseModel):
+    """A nested object clients send back as they got it: a key mlxserve does not know
+    is accepted empty (null, "", [], {}: an SDK field nobody filled) and refused, by
+    name, with a value (error type ``unsupported_field``, its ``field`` in the context)."""
 
+    model_config = ConfigDict(extra="allow")
 
-#: A field clients echo back that mlxserve never fills: accepted only empty.
-Echoed = Annotated[Any, AfterValidator(_empty)]
+    @model_validator(mode="after")
+    def _unknown_keys_empty(self) -> Self:
+        for key, value in (self.model_extra or {}).items():
+            if value not in (None, "", [], {}):
+                raise PydanticCustomError(
+                    "unsupported_field", "this field is not supported by mlxserve", {"field": key}
+                )
+        return self
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
-class ContentPart(_Strict):
+class ContentPart(Echoing):
     type: Literal["text"]
     text: str
     cache_control: dict[str, Any] | None = Field(
@@ -59,12 +67,12 @@ class ContentPart(_Strict):
     )
 
 
-class FunctionCall(_Strict):
+class FunctionCall(Echoing):
     name: str = Field(min_length=1)
     arguments: str
 
 
-class ToolCall(_Strict):
+class ToolCall(Echoing):
     """An assistant message's call, as the client sends it back in the history."""
 
     id: str = ""
@@ -73,7 +81,7 @@ class ToolCall(_Strict):
     index: int | None = Field(None, description="accepted (a streamed call's position)")
 
 
-class ChatMessage(_Strict):
+class ChatMessage(Echoing):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -82,10 +90,6 @@ class ChatMessage(_Strict):
     )
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-    refusal: Echoed = None
-    annotations: Echoed = None
-    audio: Echoed = None
-    function_call: Echoed = None
 
     @field_validator("reasoning_content", "tool_calls")
     @classmethod
@@ -176,7 +180,7 @@ class GenerationBody(_Strict):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(Echoing):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -185,7 +189,7 @@ class FunctionDefinition(_Strict):
     )
 
 
-class Tool(_Strict):
+class Tool(Echoing):
     type: Literal["function"]
     function: FunctionDefinition
 

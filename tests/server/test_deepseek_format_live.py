@@ -86,13 +86,15 @@ def tokenize(http: httpx.Client, model_dir: Path, **body: Any) -> dict[str, Any]
 
 
 def raw_completion(http: httpx.Client, model_dir: Path, ids: list[int], n: int) -> str:
+    """The model's raw continuation of `ids`, as a chat reply reads it: a completion
+    keeps the space its first token starts with, a reply starts a turn and drops it."""
     response = http.post(
         "/v1/completions",
         json={"model": str(model_dir), "prompt": ids, "max_tokens": n, "temperature": 0},
     )
     assert response.status_code == 200, response.text
     text: str = response.json()["choices"][0]["text"]
-    return text
+    return text[1:] if text.startswith(" ") else text
 
 
 def test_tokenize_gives_the_deepseek_prompt_and_its_exact_ids(
