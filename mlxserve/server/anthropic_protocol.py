@@ -25,7 +25,7 @@ from mlxserve.server.protocol import (
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Block(Echoing):

@@ -29,13 +29,13 @@ SEED_RANGE = 1 << 63
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class _Strict(BaseModel):
     """A request body: an unknown field is refused by name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Echoing(BaseModel):
@@ -43,7 +43,7 @@ class Echoing(BaseModel):
     is accepted empty (null, "", [], {}: an SDK field nobody filled) and refused, by
     name, with a value (error type ``unsupported_field``, its ``field`` in the context)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="after")
     def _unknown_keys_empty(self) -> Self:
@@ -203,21 +203,21 @@ class Thinking(_Strict):
 class ChatTemplateKwargs(BaseModel):
     """The keys of ``chat_template_kwargs`` mlxserve acts on; any other is refused."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     thinking: bool | None = None
     enable_thinking: bool | None = None
     drop_thinking: bool | None = None
 
 
 class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str = Field(min_length=1)
 
 
 class NamedToolChoice(BaseModel):
     """``{"type": "function", "function": {"name": ...}}``: call this one."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["function"]
     function: NamedFunction
 
@@ -226,7 +226,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
@@ -234,7 +234,7 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 

@@ -21,13 +21,13 @@ from mlxserve.server.protocol import (
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Item(BaseModel):
     """Input items are often output items echoed back, with ids and statuses: lenient."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class TextPart(_Item):

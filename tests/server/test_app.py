@@ -119,6 +119,12 @@ def test_echoed_fields_mlxserve_never_fills_are_accepted_empty(
     block = {"type": "text", "text": "Hi", "citations": [], "cache_control": {"type": "ephemeral"}}
     anthropic = {**ANTHROPIC, "messages": [{"role": "user", "content": [block]}]}
     assert client.post("/v1/messages", json=anthropic).status_code == 200
+    message = assert_anthropic_error(
+        client.post("/v1/messages", json={**ANTHROPIC, "max_tokens": "5"}),
+        400,
+        "invalid_request_error",
+    )
+    assert message.startswith("max_tokens:"), message
     block = {"type": "text", "text": "Hi", "bogus": 1}
     bogus = {**ANTHROPIC, "messages": [{"role": "user", "content": [block]}]}
     message = assert_anthropic_error(
@@ -186,6 +192,11 @@ def test_a_completion_keeps_the_space_its_first_token_starts_with(
         (with_function(strict=True), "tools.0.function.strict"),
         ({**CHAT, "messages": [USER, {"role": "assistant", "content": "4 5"}]}, "messages.1.role"),
         ({**CHAT, "tool_choice": "always"}, "tool_choice"),
+        # no coercion: a string is not a flag or a count, nor a flag a number
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "n": "2"}, "n"),
+        ({**CHAT, "max_tokens": True}, "max_tokens"),
+        ({**CHAT, "temperature": "0.5"}, "temperature"),
         ({**CHAT, "stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus"),
     ],
 )  # fmt: skip
