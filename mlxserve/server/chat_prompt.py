@@ -81,6 +81,13 @@ def build_chat_prompt(
     body: ChatCompletionRequest, codec: Codec, default_thinking: bool | None
 ) -> ChatPrompt:
     thinking, thinking_field = requested_thinking(body)
+    seen: set[str] = set()
+    for i, tool in enumerate(body.tools or []):
+        if tool.function.name in seen:  # a call could not say which one it meant
+            raise InvalidRequest(
+                f"two tools are named {tool.function.name!r}", param=f"tools.{i}.function.name"
+            )
+        seen.add(tool.function.name)
     forced = forced_tools(body)
     _check_strict(body, forced)
     tools = [

@@ -190,6 +190,7 @@ def test_a_completion_keeps_the_space_its_first_token_starts_with(
         (with_message({**USER, "name": "bob"}), "messages.0.name"),
         (with_function(bogus=1), "tools.0.function.bogus"),
         (with_function(strict=True), "tools.0.function.strict"),
+        ({**CHAT, "tools": with_function()["tools"] * 2}, "tools.1.function.name"),
         ({**CHAT, "messages": [USER, {"role": "assistant", "content": "4 5"}]}, "messages.1.role"),
         ({**CHAT, "tool_choice": "always"}, "tool_choice"),
         # no coercion: a string is not a flag or a count, nor a flag a number
