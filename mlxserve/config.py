@@ -429,6 +429,7 @@ def _describe(
     error = exc.errors()[0]
     loc = [str(part) for part in error["loc"] if not isinstance(part, int)]
     key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
+    key = key or "(top level)"
     where = _source_of(loc, path, file_data, cli, list(error["loc"]))
     more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
     if error["type"] == "extra_forbidden":

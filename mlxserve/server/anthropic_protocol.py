@@ -11,7 +11,7 @@ automatic). Content blocks mlxserve cannot read
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,7 +72,11 @@ class ToolResultBlock(_Block):
         return f"Error: {body}" if self.is_error else body
 
 
-Block = TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock
+#: Told apart by ``type``, so a bad block's error comes from its own kind only.
+Block = Annotated[
+    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
+    Field(discriminator="type"),
+]
 
 
 class Message(_Strict):

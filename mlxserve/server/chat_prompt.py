@@ -39,6 +39,7 @@ from mlxserve.server.protocol import (
     ChatMessage,
     FunctionDefinition,
     NamedToolChoice,
+    Tool,
 )
 
 ROLE_ALIASES = {"developer": "system"}
@@ -89,10 +90,7 @@ def build_chat_prompt(
             )
         seen.add(tool.function.name)
     forced = forced_tools(body)
-    _check_strict(body, forced)
-    tools = [
-        tool.function.model_dump(exclude_none=True, exclude={"strict"}) for tool in body.tools or []
-    ]
+    tools = [declared_function(tool) for tool in body.tools or []]
     if body.tool_choice == "none":
         tools = []
     if codec.prompt_format == "deepseek_v4":
@@ -102,16 +100,7 @@ def build_chat_prompt(
     else:
         prompt = _generic(body, codec, thinking, thinking_field, default_thinking)
         style = "json_tools" if codec.tool_parser_name == "json_tools" else None
-        last = len(body.messages) - 1
-        if body.messages[last].role == "assistant":
-            # A template closes that turn and opens a new one, where the client asked
-            # to continue it (Anthropic's prefill): another answer than it asked for.
-            # (DeepSeek-V4's encoder refuses such a conversation itself.)
-            raise InvalidRequest(
-                "the conversation ends with an assistant message: continuing a prefilled "
-                "answer is not supported; end with a user, developer or tool message",
-                param=f"messages.{last}.role",
-            )
+
     if forced is None:
         return prompt
     if style is None:
@@ -151,16 +140,12 @@ def forced_tools(body: ChatCompletionRequest) -> list[FunctionDefinition] | None
     return tools
 
 
-def _check_strict(body: ChatCompletionRequest, forced: list[FunctionDefinition] | None) -> None:
-    """``strict: true`` promises arguments that follow the schema: kept only where the
-    answer must call that function (its grammar holds the arguments to the schema)."""
-    for i, tool in enumerate(body.tools or []):
-        if tool.function.strict and (forced is None or tool.function not in forced):
-            raise InvalidRequest(
-                "strict arguments are kept only where tool_choice forces a call of this "
-                "function ('required' or its name); with 'auto' the model writes them freely",
-                param=f"tools.{i}.function.strict",
-            )
+def declared_function(tool: Tool) -> dict[str, Any]:
+    """The function as the prompt shows it: its name, description and parameters (not
+    ``strict``, nor the empty keys a client echoed)."""
+    return tool.function.model_dump(
+        exclude_none=True, include={"name", "description", "parameters"}
+    )
 
 
 def _deepseek_v4(
@@ -188,10 +173,6 @@ def _deepseek_v4(
 
 
 def _dsv4_message(index: int, message: ChatMessage) -> dsv4.Message:
-    if message.name:
-        raise InvalidRequest(
-            "the DeepSeek-V4 prompt format has no speaker names", param=f"messages.{index}.name"
-        )
     calls = tuple(
         dsv4.ToolCall(call.function.name, call.function.arguments, call.id)
         for call in message.tool_calls or []
@@ -255,27 +236,15 @@ def _generic(
     if think is None and thinking:
         raise InvalidRequest(f"{where} has no thinking mode", param=thinking_field)
     messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
-    named = [i for i, message in enumerate(body.messages) if message.name]
     if not codec.has_chat_template:
-        if named:
-            raise InvalidRequest(f"{where} has no speaker names", param=f"messages.{named[0]}.name")
         text = transcript(messages)
         return ChatPrompt(codec.text_ids(text), text)
     on = thinking if thinking is not None else default_thinking
     extra: dict[str, Any] = {} if on is None or think is None else {"enable_thinking": on}
-    tools = [
-        tool.model_dump(exclude_none=True, exclude={"function": {"strict"}})
-        for tool in body.tools or []
-    ]
+    tools = [{"type": "function", "function": declared_function(tool)} for tool in body.tools or []]
     if tools and body.tool_choice != "none":
         extra["tools"] = tools
     text = codec.template_text(messages, **extra)
-    if named:
-        anonymous = [{k: v for k, v in m.items() if k != "name"} for m in messages]
-        if codec.template_text(anonymous, **extra) == text:
-            raise InvalidRequest(
-                f"{where} ignores speaker names", param=f"messages.{named[0]}.name"
-            )
     end = think[1] if think is not None and text.rstrip().endswith(think[0]) else None
     parser = None
     if markers is not None and "tools" in extra:

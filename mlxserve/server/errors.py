@@ -150,24 +150,42 @@ def error_response(error: APIError, path: str = "") -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
-#: Type names pydantic puts in an error's location for the member of a union it tried.
-_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
-
-
-def _field_path(loc: tuple[int | str, ...]) -> list[str]:
-    """The location as the client wrote it: without the union members pydantic names
-    (``str``, ``list[ContentPart]``, ``literal['none','auto']``, ``NamedToolChoice``)."""
-    parts = []
-    for part in loc:
-        text = str(part)
-        member = (
-            text in _UNION_MEMBERS
-            or any(mark in text for mark in "[(-")
-            or (isinstance(part, str) and text[:1].isupper())
-        )
-        if not member:
-            parts.append(text)
+def _field_path(error: Any, data: Any) -> list[str]:
+    """The error's location as the client wrote it, found by walking its `data`: a part
+    that is not a key (or index) there is a union member pydantic names (``str``,
+    ``list[ContentPart]``, ``literal['none','auto']``, ``NamedToolChoice``, or the
+    ``type`` a discriminated union picked) and is left out, unless it is a missing
+    field's name."""
+    loc = error["loc"]
+    parts: list[str] = []
+    node: Any = data
+    tagged: Any = None  # the object whose ``type`` was met as a union's member
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and part == node.get("type") and tagged is not node:
+            following = loc[i + 1] if i + 1 < len(loc) else None
+            if _is_tag(node, part, following, error["type"]):
+                tagged = node
+                continue  # the member a union picked by ``type`` (a block's "text", say)
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[int(part)]
+        elif not (i == len(loc) - 1 and error["type"] == "missing"):
+            continue  # a union member: not in what the client sent
+        parts.append(str(part))
     return parts
+
+
+def _is_tag(node: dict[str, Any], part: str, following: int | str | None, kind: str) -> bool:
+    """Whether `part`, the value of `node`'s ``type``, is the union member pydantic names
+    rather than a key of `node` of that same name (a tool's "function", a text block's
+    "text"): what comes next in the location tells, or at its end the error's kind (an
+    object's own check ends at the object, a field's error at the field)."""
+    if part not in node:
+        return True
+    if following is not None:
+        return isinstance(following, str) and following in node
+    return kind == "unsupported_field" and not isinstance(node[part], dict | list)
 
 
 def _named_field(error: Any) -> list[str]:
@@ -179,11 +197,11 @@ def _named_field(error: Any) -> list[str]:
     return []
 
 
-def from_validation_error(exc: ValidationError) -> InvalidRequest:
+def from_validation_error(exc: ValidationError, data: Any = None) -> InvalidRequest:
     """The deepest problem of a pydantic error (inside a union, the member that got
-    furthest), with its field path as `param`."""
+    furthest), with its field path in the client's `data` as `param`."""
     errors = exc.errors(include_url=False)
-    paths = [(_field_path(e["loc"]) + _named_field(e), e) for e in errors]
+    paths = [(_field_path(e, data) + _named_field(e), e) for e in errors]
     path, first = max(paths, key=lambda pe: len(pe[0]))
     param = ".".join(path) or None
     message = first["msg"]

@@ -57,6 +57,9 @@ class Echoing(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    include_obfuscation: bool | None = Field(
+        None, description="accepted; events carry no padding (a loopback or trusted network)"
+    )
 
 
 class ContentPart(Echoing):
@@ -424,4 +427,4 @@ def translated_chat(chat: dict[str, Any]) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise from_validation_error(exc, chat) from None

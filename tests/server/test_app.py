@@ -110,12 +110,19 @@ def test_echoed_fields_mlxserve_never_fills_are_accepted_empty(
         "function_call": None,
         "tool_calls": [call],
     }
-    messages = [USER, echoed, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    # OpenAI's cookbook names the function on the tool message, too
+    result = {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "ok"}
+    messages = [USER, echoed, result]
+    function = {"name": "f", "parameters": {"type": "object"}, "strict": True}
+    tools = [{"type": "function", "function": function}]  # strict: the SDK's default
     parts = [{**PART, "cache_control": {"type": "ephemeral"}}]
     body = {**CHAT, "messages": [*messages, {"role": "user", "content": parts}], "tools": tools}
     response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
+    # A history ending with the assistant's turn is counted, never continued.
+    ended = {"model": "demo", "messages": [USER, {"role": "assistant", "content": "Hi"}]}
+    assert client.post("/tokenize", json=ended).status_code == 200
+    assert client.post("/v1/chat/completions", json=ended).status_code == 400
     block = {"type": "text", "text": "Hi", "citations": [], "cache_control": {"type": "ephemeral"}}
     anthropic = {**ANTHROPIC, "messages": [{"role": "user", "content": [block]}]}
     assert client.post("/v1/messages", json=anthropic).status_code == 200
@@ -187,9 +194,9 @@ def test_a_completion_keeps_the_space_its_first_token_starts_with(
         (with_message({**USER, "reasoning_content": "hm"}), "messages.0.reasoning_content"),
         (with_message({**USER, "tool_call_id": "c1"}), "messages.0.tool_call_id"),
         ({**CHAT, "messages": [USER, REFUSED]}, "messages.1.refusal"),
-        (with_message({**USER, "name": "bob"}), "messages.0.name"),
         (with_function(bogus=1), "tools.0.function.bogus"),
-        (with_function(strict=True), "tools.0.function.strict"),
+        ({**CHAT, "Temperature": 0.2}, "Temperature"),  # a client's key, named as sent
+        ({**CHAT, "stream_options": {"Include_usage": True}}, "stream_options.Include_usage"),
         ({**CHAT, "tools": with_function()["tools"] * 2}, "tools.1.function.name"),
         ({**CHAT, "messages": [USER, {"role": "assistant", "content": "4 5"}]}, "messages.1.role"),
         ({**CHAT, "tool_choice": "always"}, "tool_choice"),

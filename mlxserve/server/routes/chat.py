@@ -59,6 +59,7 @@ def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
 
 async def chat_completions(request: Request) -> Response:
     call = await read_chat(request, ChatCompletionRequest, as_chat)
+    call.refuse_prefill(f"messages.{len(call.body.messages) - 1}.role")
     body, prompt, codec = call.body, call.prompt, call.runtime.codec
     generations = call.runtime.generations
     extra = call.extra()

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from mlxserve.server.chat_prompt import ChatPrompt, build_chat_prompt
 from mlxserve.server.constraints import after_reasoning, response_format_grammar
+from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.generation import Prepared
 from mlxserve.server.protocol import ChatCompletionRequest
 from mlxserve.server.responses_protocol import ResponsesRequest
@@ -51,6 +52,19 @@ class ChatCall(Generic[Body]):
         extra = sampling_extra(self.chat)
         extra["grammar"] = chat_grammar(self.chat, self.prompt)
         return extra
+
+    def refuse_prefill(self, param: str) -> None:
+        """A generating route's check: a conversation that ends with the assistant's
+        message asks to continue it (Anthropic's prefill). A chat template would close
+        that turn and open a new one, another answer than asked for, so it is a 400
+        (DeepSeek-V4's encoder refuses it itself). Counting and tokenizing such a
+        conversation is fine: nothing is generated."""
+        if self.chat.messages[-1].role == "assistant":
+            raise InvalidRequest(
+                "the conversation ends with an assistant message: continuing a prefilled "
+                "answer is not supported; end with a user, developer or tool message",
+                param=param,
+            )
 
     def prepare(
         self,

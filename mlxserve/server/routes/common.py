@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncGenerator, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -35,11 +36,16 @@ async def parse_body(request: Request, model: type[Model]) -> Model:
         raise invalid_json(exc) from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object", code="invalid_json")
-    _refuse_lone_surrogates(data)
+    if _SURROGATE_ESCAPE.search(raw):  # only an escape can spell one: a quick look first
+        _refuse_lone_surrogates(data)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise from_validation_error(exc) from None
+        raise from_validation_error(exc, data) from None
+
+
+#: A JSON escape of a UTF-16 surrogate (or of text that looks like one: checked then).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _refuse_lone_surrogates(data: dict[str, Any]) -> None:

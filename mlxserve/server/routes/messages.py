@@ -75,6 +75,7 @@ def _tool_block(call: ParsedToolCall) -> dict[str, Any]:
 @_anthropic
 async def messages(request: Request) -> Response:
     call = await read_chat(request, MessagesRequest, to_chat)
+    call.refuse_prefill(f"messages.{len(call.body.messages) - 1}.role")
     body, prompt = call.body, call.prompt
     generations = call.runtime.generations
     prepared = call.prepare()

@@ -208,6 +208,8 @@ def _response(
 
 async def responses(request: Request) -> Response:
     call = await read_chat(request, ResponsesRequest, to_chat)
+    given = call.body.input
+    call.refuse_prefill(f"input.{len(given) - 1}" if isinstance(given, list) else "input")
     body, prompt = call.body, call.prompt
     generations = call.runtime.generations
     prepared = call.prepare(limit_param="max_output_tokens", prompt_param="input")
