@@ -100,7 +100,6 @@ def build_chat_prompt(
     else:
         prompt = _generic(body, codec, thinking, thinking_field, default_thinking)
         style = "json_tools" if codec.tool_parser_name == "json_tools" else None
-
     if forced is None:
         return prompt
     if style is None:
