@@ -455,19 +455,21 @@ def _source_of(
     path: Path | None,
     file_data: dict[str, Any],
     cli: dict[str, Any],
-    indexed: list[str | int] | None = None,
+    indexed: list[str | int],
 ) -> str:
     """Where the bad value came from, by precedence: command line, a variable, the file.
 
     Why by precedence: a key may be in the file *and* in a variable; the value
-    that failed is the one that won, and the operator must fix that one.
+    that failed is the one that won, and the operator must fix that one. ``loc``
+    names the key as flags and variables do; ``indexed`` keeps the list indices the
+    file needs (a [[fallback]] table).
     """
     if _has_key(cli, loc):
         return "command line"
     variable = _env_variable(loc)
     if variable is not None:
         return variable
-    if path is not None and _has_key(file_data, indexed if indexed is not None else loc):
+    if path is not None and _has_key(file_data, indexed):
         return str(path)
     return "MLXSERVE_" + "__".join(p.upper() for p in loc)
 

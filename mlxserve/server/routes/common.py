@@ -51,15 +51,13 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 def _refuse_lone_surrogates(data: dict[str, Any]) -> None:
     """JSON may spell a lone UTF-16 surrogate (``"\\ud83d"``), which no text is made of:
     the tokenizer cannot encode it. A 400 naming the first field that holds one."""
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        path = _surrogate_path(data) or "body"
+    path = _surrogate_path(data)
+    if path is not None:
         raise InvalidRequest(
             f"{path}: the text holds a lone UTF-16 surrogate, which is not valid Unicode",
             param=path,
             code="invalid_value",
-        ) from None
+        )
 
 
 def _surrogate_path(value: Any, path: str = "") -> str | None:

@@ -12,7 +12,7 @@ block ``content_block_start`` / ``_delta`` / ``_stop``, ``message_delta``,
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from starlette.requests import Request
@@ -22,7 +22,7 @@ from starlette.routing import Route
 from mlxserve.models.tool_calls import ParsedToolCall
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
 from mlxserve.server.chat_output import Content, Piece, Reasoning
-from mlxserve.server.errors import APIError, anthropic_error, error_response
+from mlxserve.server.errors import anthropic_error
 from mlxserve.server.generation import Delta
 from mlxserve.server.routes.chat import Answer
 from mlxserve.server.routes.chat_call import read_chat
@@ -34,18 +34,6 @@ from mlxserve.server.routes.common import (
     with_first,
 )
 from mlxserve.server.sse import typed_sse_response
-
-
-def _anthropic(
-    handler: Callable[[Request], Awaitable[Response]],
-) -> Callable[[Request], Awaitable[Response]]:
-    async def wrapped(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except APIError as exc:
-            return error_response(exc, request.url.path)
-
-    return wrapped
 
 
 def _stop_reason(answer: Answer, last: Delta) -> str:
@@ -72,7 +60,6 @@ def _tool_block(call: ParsedToolCall) -> dict[str, Any]:
     }
 
 
-@_anthropic
 async def messages(request: Request) -> Response:
     call = await read_chat(request, MessagesRequest, to_chat)
     call.refuse_prefill(f"messages.{len(call.body.messages) - 1}.role")
@@ -195,7 +182,6 @@ async def _events(
         await deltas.aclose()
 
 
-@_anthropic
 async def count_tokens(request: Request) -> Response:
     call = await read_chat(request, CountTokensRequest, to_chat)
     return JSONResponse({"input_tokens": len(call.prompt.ids)})
