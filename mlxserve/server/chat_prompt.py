@@ -90,6 +90,7 @@ def build_chat_prompt(
             )
         seen.add(tool.function.name)
     forced = forced_tools(body)
+    _refuse_unkept_strict(body, forced)
     tools = [declared_function(tool) for tool in body.tools or []]
     if body.tool_choice == "none":
         tools = []
@@ -137,6 +138,21 @@ def forced_tools(body: ChatCompletionRequest) -> list[FunctionDefinition] | None
             )
         return named
     return tools
+
+
+def _refuse_unkept_strict(
+    body: ChatCompletionRequest, forced: list[FunctionDefinition] | None
+) -> None:
+    """``strict: true`` promises arguments that follow the schema. A grammar keeps that
+    promise where the answer must call the function; with ``auto`` nothing does, so
+    there it is refused rather than accepted and broken."""
+    for i, tool in enumerate(body.tools or []):
+        if tool.function.strict and (forced is None or tool.function not in forced):
+            raise InvalidRequest(
+                "strict arguments are kept only where tool_choice forces a call of this "
+                "function ('required' or its name); with 'auto' send strict: false",
+                param=f"tools.{i}.function.strict",
+            )
 
 
 def declared_function(tool: Tool) -> dict[str, Any]:

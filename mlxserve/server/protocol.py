@@ -57,8 +57,8 @@ class Echoing(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
-    include_obfuscation: bool | None = Field(
-        None, description="accepted; events carry no padding (a loopback or trusted network)"
+    include_obfuscation: Literal[False] | None = Field(
+        None, description="false only: mlxserve does not pad its events"
     )
 
 

@@ -16,6 +16,7 @@ USER = {"role": "user", "content": "Hello"}
 PART = {"type": "text", "text": "Hello"}
 IMAGE = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
 REFUSED = {"role": "assistant", "content": "x", "refusal": "no"}
+OBFUSCATION = "stream_options.include_obfuscation"
 
 
 def with_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -113,8 +114,8 @@ def test_echoed_fields_mlxserve_never_fills_are_accepted_empty(
     # OpenAI's cookbook names the function on the tool message, too
     result = {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "ok"}
     messages = [USER, echoed, result]
-    function = {"name": "f", "parameters": {"type": "object"}, "strict": True}
-    tools = [{"type": "function", "function": function}]  # strict: the SDK's default
+    function = {"name": "f", "parameters": {"type": "object"}, "strict": False}
+    tools = [{"type": "function", "function": function}]
     parts = [{**PART, "cache_control": {"type": "ephemeral"}}]
     body = {**CHAT, "messages": [*messages, {"role": "user", "content": parts}], "tools": tools}
     response = client.post("/v1/chat/completions", json=body)
@@ -196,6 +197,8 @@ def test_a_completion_keeps_the_space_its_first_token_starts_with(
         ({**CHAT, "messages": [USER, REFUSED]}, "messages.1.refusal"),
         (with_function(bogus=1), "tools.0.function.bogus"),
         ({**CHAT, "Temperature": 0.2}, "Temperature"),  # a client's key, named as sent
+        (with_function(strict=True), "tools.0.function.strict"),  # unkept without a forced call
+        ({**CHAT, "stream_options": {"include_obfuscation": True}}, OBFUSCATION),
         ({**CHAT, "stream_options": {"Include_usage": True}}, "stream_options.Include_usage"),
         ({**CHAT, "tools": with_function()["tools"] * 2}, "tools.1.function.name"),
         ({**CHAT, "messages": [USER, {"role": "assistant", "content": "4 5"}]}, "messages.1.role"),
