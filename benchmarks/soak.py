@@ -12,11 +12,20 @@ then repeats for `--minutes`:
 3. TTFT with the prefix reused (a prompt served before, streamed);
 4. two concurrent greedy decoders (streamed).
 
-Meanwhile, at random (exponential gaps of mean `--fault-every-s`), it injects a
-fault into a random rank of the primary while it serves: `kill` (SIGKILL),
-`hang` (SIGSTOP: the front must declare it hung) or `crash` (SIGABRT).
+Meanwhile, at random (exponential gaps of mean `--fault-every-s`), it injects one
+of `--faults`:
+
+- into a random rank of the primary while it serves: `kill` (SIGKILL), `hang`
+  (SIGSTOP: the front must declare it hung) or `crash` (SIGABRT);
+- `both_down`: the primary and then, 0.5 s later, the standby killed: every
+  backend restarts at once, and admitted requests must wait and resume;
+- what only looks like a hang, which must record no incident: `nonreader` (a
+  stream whose client never reads, held 20 s), `slow_reader` (a stream read a few
+  bytes at a time), `huge_prompt` (a 3.9 MB prompt: a 400 from its size) and
+  `front_pause` (the front itself SIGSTOPped for 5 s).
 
 It prints one JSON document: requests sent, completed and lost (target: 0 lost),
+the incidents the engine faults explain and the false ones beyond them (target: 0),
 the rate of exact continuations (a greedy answer equal to the undisturbed one,
 measured before any fault), the p50/p99 of the longest gap between chunks of a
 streamed request (the stall a client sees), the faults injected, the incidents
@@ -32,6 +41,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -54,8 +64,15 @@ PROMPTS = {
     "pair_b": "Python reference: import",
 }
 MAX_TOKENS = {"decode": 64, "ttft": 16, "pair_a": 48, "pair_b": 48}
-FAULTS = ("kill", "hang", "crash")
+ENGINE_FAULTS = ("kill", "hang", "crash")
+CLIENT_FAULTS = ("nonreader", "slow_reader", "huge_prompt", "front_pause")
+FAULTS = (*ENGINE_FAULTS, "both_down", *CLIENT_FAULTS)
 FAULT_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "crash": signal.SIGABRT}
+#: The incidents each fault explains (a client's or the front's own fault: none).
+INCIDENTS_OF = {"kill": 1, "hang": 1, "crash": 1, "both_down": 2}
+NONREADER_HOLD_S = 20.0
+FRONT_PAUSE_S = 5.0
+HUGE_PROMPT_BYTES = 3_900_000
 MEMORY_EVERY_S = 5.0
 #: How long the last fault's incident may take to be recorded once the rotation ends
 #: (a frozen engine with no request in flight is found by two failed probes), the
@@ -78,6 +95,7 @@ overrides = ["progress_timeout_s=5"]
 [server]
 port = 0
 ready_interval_s = 5.0
+client_write_timeout_s = 5.0
 retry_attempts = 10
 retry_backoff_s = 0.2
 retry_backoff_max_s = 2.0
@@ -270,33 +288,141 @@ def rotation(url: str, tally: Tally, references: dict[str, str], round_: int) ->
         thread.join(600)
 
 
+def hold_unread_stream(url: str, hold_s: float) -> str:
+    """A stream whose client never reads, held `hold_s`: whether the server cut it off
+    (its write timeout) or it was still open. Four choices of 1000 tokens with 20
+    alternatives each: 5 MB, more than the kernel buffers on loopback (4 MB)."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": PROMPTS["decode"]}],
+            "max_tokens": 1000,
+            "n": 4,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "stream": True,
+        }
+    ).encode()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(10)
+        sock.connect((host, int(port)))
+        sock.sendall(
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}:{port}\r\n"
+            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        time.sleep(hold_s)
+        try:
+            while sock.recv(1 << 16):
+                pass
+        except ConnectionResetError:
+            return "cut off"
+        except TimeoutError:
+            return "held"
+        return "closed"
+
+
+def read_slowly(url: str) -> str:
+    """A stream read a kilobyte every 50 ms: slow, but a reader; it must complete."""
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": PROMPTS["pair_a"]}],
+        "max_tokens": 200,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "stream": True,
+    }
+    try:
+        with (
+            httpx.Client(timeout=300) as client,
+            client.stream("POST", f"{url}/v1/chat/completions", json=body) as response,
+        ):
+            data = b""
+            for piece in response.iter_raw(1024):
+                data += piece
+                time.sleep(0.05)
+        return "completed" if b"data: [DONE]" in data else f"{response.status_code}, unfinished"
+    except httpx.HTTPError as exc:
+        return repr(exc)[:200]
+
+
+def send_huge_prompt(url: str) -> str:
+    text = "Python reference: " * (HUGE_PROMPT_BYTES // 18)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    try:
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    except httpx.HTTPError as exc:
+        return repr(exc)[:200]
+    code = response.json().get("error", {}).get("code") if response.status_code >= 400 else None
+    return f"{response.status_code} {code or ''}".strip()
+
+
 def inject_faults(
-    server: Server, stop: threading.Event, every_s: float, rng: random.Random
+    server: Server,
+    stop: threading.Event,
+    every_s: float,
+    rng: random.Random,
+    kinds: tuple[str, ...] = FAULTS,
 ) -> tuple[list[dict[str, Any]], threading.Thread]:
-    """The faults injected (filled in as they are) and the thread injecting them, which
-    ends once `stop` is set and its current fault, if any, is in."""
+    """The faults injected (filled in as they are; a client fault's `outcome` once it
+    has one) and the thread injecting them, which ends once `stop` is set and its
+    current fault, if any, is in."""
     injected: list[dict[str, Any]] = []
+    clients: list[threading.Thread] = []
+
+    def in_background(record: dict[str, Any], work: Any, *args: Any) -> None:
+        def run() -> None:
+            record["outcome"] = work(*args)
+
+        thread = threading.Thread(target=run, name=record["kind"], daemon=True)
+        thread.start()
+        clients.append(thread)
+
+    def engine_fault(kind: str, detail: dict[str, Any]) -> bool:
+        primary = detail["backends"][0]
+        if detail.get("active") != "primary" or not primary.get("pid"):
+            return False  # one engine fault at a time: wait for the primary to be back
+        pid = int(primary["pid"])
+        if kind == "both_down":
+            standby = next((b for b in detail["backends"][1:] if b.get("pid")), None)
+            if standby is None:
+                return False
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)
+            os.kill(int(standby["pid"]), signal.SIGKILL)
+            return True
+        ranks = [pid, *descendants(pid)] if primary["kind"] == "group" else [pid]
+        if primary["kind"] == "group":
+            ranks = ranks[1:] or ranks  # the ranks, not their launcher
+        os.kill(rng.choice(ranks), FAULT_SIGNALS[kind])
+        return True
 
     def run() -> None:
         while not stop.wait(rng.expovariate(1 / every_s)):
-            try:
-                detail = server.ready()
-            except httpx.HTTPError:
-                continue
-            primary = detail["backends"][0]
-            if detail.get("active") != "primary" or not primary.get("pid"):
-                continue  # one fault at a time: wait for the primary to be back
-            pid = int(primary["pid"])
-            ranks = [pid, *descendants(pid)] if primary["kind"] == "group" else [pid]
-            if primary["kind"] == "group":
-                ranks = ranks[1:] or ranks  # the ranks, not their launcher
-            target = rng.choice(ranks)
-            kind = rng.choice(FAULTS)
-            try:
-                os.kill(target, FAULT_SIGNALS[kind])
-            except ProcessLookupError:
-                continue
-            injected.append({"at_s": round(time.monotonic() - began, 1), "kind": kind})
+            kind = rng.choice(kinds)
+            record: dict[str, Any] = {"at_s": round(time.monotonic() - began, 1), "kind": kind}
+            if kind == "nonreader":
+                in_background(record, hold_unread_stream, server.url, NONREADER_HOLD_S)
+            elif kind == "slow_reader":
+                in_background(record, read_slowly, server.url)
+            elif kind == "huge_prompt":
+                in_background(record, send_huge_prompt, server.url)
+            elif kind == "front_pause":
+                server.proc.send_signal(signal.SIGSTOP)
+                time.sleep(FRONT_PAUSE_S)
+                server.proc.send_signal(signal.SIGCONT)
+            else:
+                try:
+                    if not engine_fault(kind, server.ready()):
+                        continue
+                except (httpx.HTTPError, ProcessLookupError):
+                    continue
+            injected.append(record)
+        for thread in clients:
+            thread.join(NONREADER_HOLD_S + 60)
 
     began = time.monotonic()
     thread = threading.Thread(target=run, name="faults", daemon=True)
@@ -318,7 +444,12 @@ def sample_memory(server: Server, stop: threading.Event) -> list[tuple[float, fl
 
 
 def soak(
-    minutes: float, every_s: float, group: bool, seed: int, settle_s: float = INCIDENT_SETTLE_S
+    minutes: float,
+    every_s: float,
+    group: bool,
+    seed: int,
+    settle_s: float = INCIDENT_SETTLE_S,
+    kinds: tuple[str, ...] = FAULTS,
 ) -> dict[str, Any]:
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="mlxserve-soak-") as tmp:
@@ -332,7 +463,7 @@ def soak(
             tally = Tally()
             stop = threading.Event()
             memory = sample_memory(server, stop)
-            faults, injector = inject_faults(server, stop, every_s, rng)
+            faults, injector = inject_faults(server, stop, every_s, rng, kinds)
             began = time.monotonic()
             rounds = 0
             while time.monotonic() - began < minutes * 60:
@@ -340,8 +471,11 @@ def soak(
                 rounds += 1
             stop.set()
             elapsed = time.monotonic() - began
-            injector.join(30)  # a fault it was injecting as the rotation ended counts too
-            incidents = server.incidents(len(faults), settle_s)
+            # A fault it was injecting as the rotation ended counts too, and so do the
+            # outcomes of the client faults still running.
+            injector.join(NONREADER_HOLD_S + 90)
+            explained = sum(INCIDENTS_OF.get(f["kind"], 0) for f in faults)
+            incidents = server.incidents(explained, settle_s)
             failovers = server.metric("mlxserve_failovers_total")
         finally:
             code = server.stop()
@@ -363,6 +497,9 @@ def soak(
         "stall_p99_s": percentile(tally.stalls, 0.99),
         "faults": faults,
         "incidents": len(incidents),
+        "incidents_explained": explained,
+        "false_incidents": max(0, len(incidents) - explained),
+        "incident_kinds": [f"{i['backend']}:{i['kind']}" for i in incidents],
         "failovers": failovers,
         "front_rss_mb": memory,
         "front_rss_growth_mb": round(known[-1] - known[0], 1) if len(known) > 1 else None,
@@ -385,11 +522,20 @@ def main() -> None:
         default=INCIDENT_SETTLE_S,
         help="at the end, how long to wait for the faults' incidents (default: 15)",
     )
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"comma-separated fault kinds to draw from (default: all of {', '.join(FAULTS)})",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     if args.minutes <= 0 or args.fault_every_s <= 0 or args.settle_s < 0:
         parser.error("--minutes and --fault-every-s must be > 0, --settle-s >= 0")
-    report = soak(args.minutes, args.fault_every_s, args.group, args.seed, args.settle_s)
+    kinds = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    unknown = sorted(set(kinds) - set(FAULTS))
+    if not kinds or unknown:
+        parser.error(f"--faults: unknown kind(s) {', '.join(unknown) or '(none given)'}")
+    report = soak(args.minutes, args.fault_every_s, args.group, args.seed, args.settle_s, kinds)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out is not None:

@@ -203,6 +203,8 @@ def _cmd_policy_incidents(args: argparse.Namespace) -> int:
             f"  {r.when()}  {r.kind:<8} backend {r.backend}  plan {r.plan_hash[:12]}  "
             f"{r.composition} [{', '.join(r.chips)}]  nax_moe {nax}  step {r.step_kind or '?'}"
         )
+        if r.evidence:
+            print("    evidence: " + ", ".join(f"{k}={v}" for k, v in r.evidence.items()))
     return 0
 
 

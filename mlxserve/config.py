@@ -209,6 +209,51 @@ class ServerSettings(_Section):
     max_body_bytes: int = Field(
         4 << 20, ge=1024, description="Largest request body accepted, in bytes (else 413)."
     )
+    max_json_depth: int = Field(
+        64,
+        ge=8,
+        le=200,
+        description="Deepest nesting of a request body's JSON (the body's own object is level "
+        "1); deeper is a 400 naming the field.",
+    )
+    max_number_chars: int = Field(
+        64,
+        ge=16,
+        le=1000,
+        description="Longest number literal in a request body's JSON, in characters (sign, "
+        "point and exponent included); longer is a 400 naming the field.",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Time a request's headers may take to arrive, from the connection's start "
+        "(or, on a kept-alive connection, from the request's first byte); then the "
+        "connection is answered 408 and closed.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Time a request's body may take to arrive once its headers have; then "
+        "the request is answered 408 and its connection closed.",
+    )
+    max_connections: int = Field(
+        512,
+        ge=1,
+        description="Client connections open at once; a request on one beyond it is "
+        "answered 503 and its connection closed.",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Without api_keys: Host names accepted besides IP addresses, localhost "
+        "(and *.localhost) and `host`; a leading '*.' matches subdomains, '*' any name. "
+        "Other names get 421 (DNS rebinding).",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Without api_keys: browser origins (scheme://host[:port]) that may call "
+        "the API besides the server's own; '*' any. Other origins get 403 (cross-site "
+        "requests).",
+    )
     max_queue: int = Field(
         64,
         ge=0,
@@ -253,6 +298,20 @@ class ServerSettings(_Section):
         0.2, ge=0, description="First retry delay; doubles per attempt, with jitter."
     )
     retry_backoff_max_s: float = Field(5.0, ge=0, description="Largest retry delay.")
+    client_write_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="A client whose response cannot be written for this long (it reads "
+        "nothing: its socket's buffers are full) loses its connection, and its request is "
+        "cancelled with its slot freed. Never counted against the engine. 0: never.",
+    )
+    restart_wait_s: float = Field(
+        30.0,
+        ge=0,
+        description="While no backend is healthy (every one restarting), how long an "
+        "admitted request waits for one to come back before it fails with 503; it then "
+        "resumes exactly where it stopped. The demo engine restarts in about 3 s.",
+    )
     restart_backoff_s: float = Field(
         1.0, ge=0, description="First delay before restarting a failed local engine; doubles."
     )

@@ -106,20 +106,26 @@ def bind(host: str, port: int) -> socket.socket:
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-async def serve(runtime: Runtime, listener: socket.socket) -> int:
+def http_config(runtime: Runtime) -> uvicorn.Config:
+    """uvicorn's settings for the front: the app, and connections with Nagle off, arrival
+    deadlines and a cap (`mlxserve.server.connections`)."""
     from mlxserve.server.app import create_app
-    from mlxserve.server.nodelay import NoDelayH11Protocol
+    from mlxserve.server.connections import ConnectionLimits, FrontH11Protocol
 
-    config = uvicorn.Config(
+    limits = ConnectionLimits.of(runtime.settings.server)
+    return uvicorn.Config(
         create_app(runtime),
-        http=NoDelayH11Protocol,
+        http=FrontH11Protocol.with_limits(limits),
         log_level="warning",
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=HTTP_GRACE_S,
         timeout_keep_alive=5,
     )
-    server = _Server(config)
+
+
+async def serve(runtime: Runtime, listener: socket.socket) -> int:
+    server = _Server(http_config(runtime))
     with server.signal_handlers():
         await runtime.start()
         serving = asyncio.create_task(server.serve(sockets=[listener]))

@@ -43,6 +43,11 @@ class IncidentRecord(BaseModel):
     chips: list[str]
     decisions: dict[str, Any] = Field(description="the plan's decision values per rank and world")
     step_kind: str | None = Field(None, description="the kind of step in flight, when known")
+    evidence: dict[str, Any] | None = Field(
+        None,
+        description="what verified the hang: the engine's step counter and answer, and what "
+        "the front saw (`mlxserve.reliability.hang.Evidence`); none for a watchdog exit",
+    )
 
     def same_cluster(self, composition: str, chips: list[str]) -> bool:
         return self.composition == composition and self.chips == chips
@@ -52,7 +57,13 @@ class IncidentRecord(BaseModel):
 
 
 def from_plan(
-    plan: dict[str, Any], *, kind: str, backend: str, at: float, step_kind: str | None
+    plan: dict[str, Any],
+    *,
+    kind: str,
+    backend: str,
+    at: float,
+    step_kind: str | None,
+    evidence: dict[str, Any] | None = None,
 ) -> IncidentRecord:
     """A record of an incident under `plan` (a plan document, as an engine's hello carries)."""
     ranks = plan.get("ranks", [])
@@ -69,6 +80,7 @@ def from_plan(
         chips=[str(r["profile"].get("chip", "?")) for r in ranks],
         decisions=decisions,
         step_kind=step_kind,
+        evidence=evidence,
     )
 
 

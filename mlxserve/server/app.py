@@ -12,13 +12,16 @@ import os
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.routing import BaseRoute, Route
 
 from mlxserve.server.accounting import RequestCounter
 from mlxserve.server.auth import BearerAuth
+from mlxserve.server.browser_guard import BrowserGuard
 from mlxserve.server.errors import (
     APIError,
     handle_api_error,
+    handle_client_disconnect,
     handle_http_exception,
     handle_unexpected,
 )
@@ -61,16 +64,28 @@ def create_app(runtime: Runtime) -> Starlette:
     ]
     endpoints = [route.path for route in routes if isinstance(route, Route)]
     server = runtime.settings.server
+    keys = api_keys(server.api_keys)
+    # Without a key, what a web page could send is refused (mlxserve.server.browser_guard).
+    guard = [
+        Middleware(
+            BrowserGuard,
+            bind_host=server.host,
+            allowed_hosts=server.allowed_hosts,
+            allowed_origins=server.allowed_origins,
+        )
+    ]
     app = Starlette(
         routes=routes,
         middleware=[
             Middleware(RequestCounter, metrics=runtime.metrics, endpoints=endpoints),
+            *(guard if not keys else []),
             Middleware(BodySizeLimit, max_bytes=server.max_body_bytes),
-            Middleware(BearerAuth, keys=api_keys(server.api_keys)),
+            Middleware(BearerAuth, keys=keys),
         ],
         exception_handlers={
             APIError: handle_api_error,
             HTTPException: handle_http_exception,
+            ClientDisconnect: handle_client_disconnect,
             Exception: handle_unexpected,
         },
     )

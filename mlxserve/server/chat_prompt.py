@@ -78,9 +78,18 @@ def requested_thinking(body: ChatCompletionRequest) -> tuple[bool | None, str]:
     return (asked[0][0], asked[0][1]) if asked else (None, "thinking")
 
 
+#: How a prompt's text becomes its token ids (`Codec.text_ids`, or a generating
+#: route's `Generations.prompt_ids`, which first refuses a text too large to fit).
+Encode = Callable[[str], list[int]]
+
+
 def build_chat_prompt(
-    body: ChatCompletionRequest, codec: Codec, default_thinking: bool | None
+    body: ChatCompletionRequest,
+    codec: Codec,
+    default_thinking: bool | None,
+    encode: Encode | None = None,
 ) -> ChatPrompt:
+    encode = codec.text_ids if encode is None else encode
     thinking, thinking_field = requested_thinking(body)
     seen: set[str] = set()
     for i, tool in enumerate(body.tools or []):
@@ -96,10 +105,10 @@ def build_chat_prompt(
         tools = []
     if codec.prompt_format == "deepseek_v4":
         on = thinking if thinking is not None else default_thinking is not False
-        prompt = _deepseek_v4(body, codec, on, tools)
+        prompt = _deepseek_v4(body, encode, on, tools)
         style: ToolStyle | None = "dsml"
     else:
-        prompt = _generic(body, codec, thinking, thinking_field, default_thinking)
+        prompt = _generic(body, codec, encode, thinking, thinking_field, default_thinking)
         style = "json_tools" if codec.tool_parser_name == "json_tools" else None
     if forced is None:
         return prompt
@@ -110,9 +119,11 @@ def build_chat_prompt(
             param="tool_choice",
         )
     parallel = body.parallel_tool_calls is not False
-    grammar = forced_tool_grammar(style, forced, parallel)
+    where = {tool.function.name: i for i, tool in enumerate(body.tools or [])}  # unique names
+    calls = [(f"tools.{where[tool.name]}.function.parameters", tool) for tool in forced]
+    grammar = forced_tool_grammar(style, calls, parallel, codec)
     if prompt.reasoning_end is not None:
-        grammar = after_reasoning(grammar, prompt.reasoning_end)
+        grammar = after_reasoning(grammar, prompt.reasoning_end, codec, "tools")
     return ChatPrompt(prompt.ids, prompt.text, prompt.reasoning_end, prompt.tool_parser, grammar)
 
 
@@ -164,7 +175,7 @@ def declared_function(tool: Tool) -> dict[str, Any]:
 
 
 def _deepseek_v4(
-    body: ChatCompletionRequest, codec: Codec, thinking: bool, tools: list[dict[str, Any]]
+    body: ChatCompletionRequest, encode: Encode, thinking: bool, tools: list[dict[str, Any]]
 ) -> ChatPrompt:
     messages = [_dsv4_message(i, m) for i, m in enumerate(body.messages)]
     kwargs = body.chat_template_kwargs
@@ -180,7 +191,7 @@ def _deepseek_v4(
     except dsv4.PromptError as exc:
         raise InvalidRequest(f"messages: {exc}", param="messages") from None
     return ChatPrompt(
-        codec.text_ids(text),
+        encode(text),
         text,
         reasoning_end=dsv4.THINK_END if thinking else None,
         tool_parser=DsmlParser if tools else None,
@@ -213,6 +224,7 @@ def _dsv4_message(index: int, message: ChatMessage) -> dsv4.Message:
 def _generic(
     body: ChatCompletionRequest,
     codec: Codec,
+    encode: Encode,
     thinking: bool | None,
     thinking_field: str,
     default_thinking: bool | None,
@@ -253,7 +265,7 @@ def _generic(
     messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
     if not codec.has_chat_template:
         text = transcript(messages)
-        return ChatPrompt(codec.text_ids(text), text)
+        return ChatPrompt(encode(text), text)
     on = thinking if thinking is not None else default_thinking
     extra: dict[str, Any] = {} if on is None or think is None else {"enable_thinking": on}
     tools = [{"type": "function", "function": declared_function(tool)} for tool in body.tools or []]
@@ -265,7 +277,7 @@ def _generic(
     if markers is not None and "tools" in extra:
         start, stop, parse = markers
         parser = functools.partial(MarkedToolParser, start, stop, parse, tools)
-    return ChatPrompt(codec.text_ids(text), text, reasoning_end=end, tool_parser=parser)
+    return ChatPrompt(encode(text), text, reasoning_end=end, tool_parser=parser)
 
 
 def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:

@@ -7,12 +7,19 @@ backend needs the token ids already sent. The engine sees token ids only.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
+import threading
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from mlxserve.errors import UsageError
 from mlxserve.server.errors import InvalidRequest
+from mlxserve.server.token_bound import bytes_per_token, min_tokens
+
+#: Texts at least this long are tokenized one at a time (see `Codec.text_ids`).
+LONG_TEXT_CHARS = 1 << 20
 
 
 class Detokenizer(Protocol):
@@ -33,6 +40,9 @@ class Codec:
     def __init__(self, tokenizer: Any, model_type: str | None = None) -> None:
         self._tokenizer = tokenizer
         self.model_type = model_type
+        self._long_text = threading.Lock()  # one long text tokenized at a time
+        self._ll: Any = None  # llguidance's tokenizer, built on the first grammar
+        self._ll_lock = threading.Lock()
 
     @classmethod
     def load(cls, model_dir: Path) -> Codec:
@@ -44,7 +54,9 @@ class Codec:
             and not (model_dir / "tokenizer.json").is_file()
         ):
             raise UsageError(f"{model_dir}: no tokenizer files (tokenizer.json) in the model")
-        return cls(load_tokenizer(model_dir), _model_type(model_dir))  # type: ignore[no-untyped-call]
+        codec = cls(load_tokenizer(model_dir), _model_type(model_dir))  # type: ignore[no-untyped-call]
+        _ = codec.bytes_per_token  # it reads the whole vocabulary: at load, not on a request
+        return codec
 
     @property
     def has_chat_template(self) -> bool:
@@ -123,9 +135,44 @@ class Codec:
             return self.text_ids(self.template_text(list(messages)))
         return self.text_ids(transcript(messages))
 
+    @functools.cached_property
+    def bytes_per_token(self) -> float | None:
+        """The most bytes of text one token can stand for (None: unknown, see `token_bound`)."""
+        backend = getattr(getattr(self._tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+        return None if backend is None else bytes_per_token(backend)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.text_ids(text))`` from the text's size (0: none known)."""
+        return min_tokens(text, self.bytes_per_token)
+
+    def grammar_problem(self, grammar: str) -> str | None:
+        """Why ``grammar`` cannot be enforced with this tokenizer (None: it can),
+        found as the engine would find it (`mlxserve.engine.grammar.start_problem`),
+        but before the request is admitted: in the engine it fails the request
+        after a slot was taken, inside a step. Thread-safe (requests are prepared
+        off the event loop); the first call builds llguidance's tokenizer, about a
+        second for a large vocabulary."""
+        from mlxserve.engine.grammar import ll_tokenizer, start_problem
+
+        with self._ll_lock:
+            if self._ll is None:
+                self._ll = ll_tokenizer(self._tokenizer, self.vocab_size)
+        return start_problem(self._ll, grammar)
+
     def text_ids(self, text: str) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=False)
-        return [int(token) for token in ids]
+        """The text's token ids. Thread-safe; a long text (`LONG_TEXT_CHARS`) waits for
+        any other long one: the tokenizer's working memory is about 140 times the text
+        (550 MB for 3.9 MB), so two at once would double the front's peak, and what it
+        freed is handed back to the system after (`release_freed_memory`)."""
+        if len(text) < LONG_TEXT_CHARS:
+            return self._encode(text)
+        with self._long_text:
+            ids = self._encode(text)
+            release_freed_memory()  # the tokenizer's working memory, freed by now
+        return ids
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(token) for token in self._tokenizer.encode(text, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         text: str = self._tokenizer.decode(ids)
@@ -160,6 +207,23 @@ class Codec:
             ids = self.text_ids("a")
             self._prime = ids[0] if len(ids) == 1 and self.decode(ids).strip() == "a" else None
         return self._prime
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap memory back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). glibc keeps what a worker thread freed in that thread's arena: after a
+    long tokenization, hundreds of megabytes the front no longer uses."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc (macOS, musl)
+        return None
 
 
 def transcript(messages: list[dict[str, Any]]) -> str:

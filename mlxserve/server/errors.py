@@ -78,10 +78,40 @@ class MethodNotAllowed(APIError):
     code = "method_not_allowed"
 
 
+class Forbidden(APIError):
+    """A browser request from a page the server does not serve (its Origin)."""
+
+    status = 403
+    type = "permission_error"
+    code = "origin_not_allowed"
+
+
+class RequestTimeout(APIError):
+    """The request did not arrive in time (`mlxserve.server.connections`)."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+
+
 class BodyTooLarge(APIError):
     status = 413
     type = "invalid_request_error"
     code = "request_too_large"
+
+
+class UnsupportedMediaType(APIError):
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class MisdirectedRequest(APIError):
+    """A Host this server does not answer to (DNS rebinding: `mlxserve.server.browser_guard`)."""
+
+    status = 421
+    type = "invalid_request_error"
+    code = "host_not_allowed"
 
 
 class _RetryLater(APIError):
@@ -104,6 +134,12 @@ class ServiceUnavailable(_RetryLater):
     code = "no_healthy_backend"
 
 
+class TooManyConnections(_RetryLater):
+    status = 503
+    type = "service_unavailable"
+    code = "too_many_connections"
+
+
 class BadGateway(APIError):
     status = 502
     type = "backend_error"
@@ -114,6 +150,16 @@ class InternalError(APIError):
     status = 500
     type = "internal_error"
     code = "internal_error"
+
+
+class RequestFailed(APIError):
+    """This request failed on a backend that serves the others (its grammar, a step
+    that raised for it): a 500 naming the cause, not a 503, since sending the same
+    request again, here or anywhere, fails the same way."""
+
+    status = 500
+    type = "internal_error"
+    code = "request_failed"
 
 
 def error_body(
@@ -132,7 +178,10 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
+    421: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
 }
@@ -242,6 +291,12 @@ async def handle_http_exception(request: Request, exc: Exception) -> Response:
         error.type = "invalid_request_error" if exc.status_code < 500 else "internal_error"
     error.headers.update(exc.headers or {})
     return error_response(error, request.url.path)
+
+
+async def handle_client_disconnect(request: Request, exc: Exception) -> Response:
+    """The client went (or its connection was closed, a body too slow) while its body was
+    read: nobody to answer, nothing to log as a bug."""
+    return Response(status_code=499)  # nginx's "client closed request"; never sent
 
 
 async def handle_unexpected(request: Request, exc: Exception) -> Response:

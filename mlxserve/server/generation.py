@@ -17,6 +17,7 @@ from mlxserve.engine.request import TokenLogprob
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import (
     BackendRejected,
+    BackendRequestFailed,
     BackendUnavailable,
     Finished,
     GenerationParams,
@@ -29,6 +30,7 @@ from mlxserve.server.errors import (
     InternalError,
     InvalidRequest,
     ModelNotFound,
+    RequestFailed,
     ServiceUnavailable,
 )
 from mlxserve.server.metrics import Metrics
@@ -102,6 +104,20 @@ class Generations:
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is not in the vocabulary", param=param)
         return ids
+
+    def prompt_ids(self, text: str, *, param: str) -> list[int]:
+        """The prompt's token ids; a prompt that cannot fit the context is refused from
+        its size first (`Codec.min_tokens`), without being tokenized, with the same 400
+        as `prepare` gives it: tokenizing megabytes takes seconds and far more memory
+        than the text, for an answer known in advance."""
+        context = self.context_length()
+        least = self.codec.min_tokens(text) if context is not None else 0
+        if context is not None and least >= context:
+            raise ContextLengthExceeded(
+                f"the prompt has at least {least} tokens; the model's context is {context}",
+                param=param,
+            )
+        return self.codec.text_ids(text)
 
     def prepare(
         self,
@@ -197,6 +213,8 @@ class Generations:
                 ) from None
             except BackendRejected as exc:
                 raise BadGateway(str(exc)) from None
+            except BackendRequestFailed as exc:
+                raise RequestFailed(f"the request failed: {exc}") from None
             finally:
                 await events.aclose()
             yield self._last(prepared, job, text, finish, arrived)

@@ -3,7 +3,9 @@
 Retries use tenacity: a bounded number of attempts, exponential backoff with
 full jitter (so the resumed requests of a failed engine do not arrive in one
 burst), and only for `BackendUnavailable`; a client's bad request never gets
-this far, and a backend's refusal (`BackendRejected`) is not retried.
+this far, and neither a backend's refusal (`BackendRejected`) nor a failure of the
+request itself (`BackendRequestFailed`: its grammar, a step that raised for it) is
+retried: the same inputs fail the same way on any engine.
 
 Resuming a stream: every attempt sends the original prompt plus the tokens the
 client already has, with the remaining budget. Greedy decoding then continues
@@ -13,7 +15,9 @@ no duplicated and no missing tokens.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -47,8 +51,6 @@ class Job:
     sent: list[int] = field(default_factory=list)
     attempts: int = 0
     backend: str | None = None
-    #: Backends on which a step of this request raised: the retry goes elsewhere.
-    failed_on: set[str] = field(default_factory=set)
 
     def resume_params(self) -> GenerationParams:
         return replace(
@@ -64,6 +66,8 @@ class RetryPolicy:
     attempts: int = 4
     backoff_s: float = 0.2
     backoff_max_s: float = 5.0
+    #: How long an attempt waits for a healthy backend while every one is down.
+    restart_wait_s: float = 30.0
 
 
 class Router:
@@ -74,6 +78,7 @@ class Router:
         self.closed = False
         self._active: Backend | None = None
         self._last_active: Backend | None = None
+        self._health_event = asyncio.Event()  # replaced (after being set) on each change
         for backend in self.backends:
             backend.state.listeners.append(self._health_changed)
             metrics.backend_active.labels(backend.name).set(0)
@@ -89,6 +94,8 @@ class Router:
         self.metrics.backend_healthy.labels(backend.name).set(int(healthy))
         log.info("backend '%s' is %s", backend.name, "healthy" if healthy else "not healthy")
         self._choose_active()
+        self._health_event.set()
+        self._health_event = asyncio.Event()
 
     def _choose_active(self) -> None:
         new = next((b for b in self.backends if b.healthy and b.connected), None)
@@ -109,24 +116,38 @@ class Router:
             self._last_active = new
 
     def _pick(self, job: Job) -> Backend:
-        """The active backend, or for a request that failed a step, the next one after it.
-
-        Why not the same one again: a step that raised on that engine will most
-        likely raise again on the same inputs; another engine may not.
-        """
+        """The active backend, whichever attempt of ``job`` this is: only a backend's
+        own failures are retried (`BackendUnavailable`), and a backend that had one is
+        not the active one again until it is healthy again."""
         backend = self._active
-        if backend is not None and backend.name in job.failed_on:
-            backend = next(
-                (
-                    b
-                    for b in self.backends
-                    if b.healthy and b.connected and b.name not in job.failed_on
-                ),
-                None,
-            )
         if self.closed or backend is None or not backend.connected:
             raise NoHealthyBackend("no healthy backend")
         return backend
+
+    async def _wait_pick(self, job: Job) -> Backend:
+        """`_pick`, waiting up to `restart_wait_s` while no backend is healthy.
+
+        Why: when every backend failed at once (both killed within a second),
+        each is back within seconds, but the retry budget (about 1.4 s of backoff)
+        is spent before a restart is. Waiting here does not use up attempts; the
+        request then resumes exactly, with the tokens the client already has.
+        """
+        deadline = time.monotonic() + self.retry.restart_wait_s
+        while True:
+            try:
+                return self._pick(job)
+            except NoHealthyBackend:
+                left = deadline - time.monotonic()
+                if self.closed or left <= 0:
+                    raise
+            changed = self._health_event
+            if job.attempts and not changed.is_set():
+                log.info("request %s waits for a healthy backend", job.request_id)
+            try:
+                async with asyncio.timeout(min(left, 1.0)):
+                    await changed.wait()
+            except TimeoutError:
+                pass  # look again: the deadline, and draining, are checked at the top
 
     def _retrying(self) -> AsyncRetrying:
         return AsyncRetrying(
@@ -147,7 +168,7 @@ class Router:
                     yield event
 
     async def _attempt(self, job: Job) -> AsyncGenerator[BackendEvent, None]:
-        backend = self._pick(job)
+        backend = await self._wait_pick(job)
         job.attempts += 1
         if job.attempts > 1:
             log.info(
@@ -168,10 +189,16 @@ class Router:
                     job.sent.extend(event.token_ids)
                 yield event
         except BackendUnavailable as exc:
-            if isinstance(exc, BackendRequestFailed):
-                job.failed_on.add(backend.name)
             self.metrics.retries.labels(backend.name).inc()
             log.warning("request %s failed on '%s': %s", job.request_id, backend.name, exc)
+            raise
+        except BackendRequestFailed as exc:
+            log.warning(
+                "request %s failed on '%s', not retried (its own failure): %s",
+                job.request_id,
+                backend.name,
+                exc,
+            )
             raise
         finally:
             await stream.aclose()

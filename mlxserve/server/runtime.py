@@ -27,6 +27,7 @@ from mlxserve.server.metrics import Metrics
 from mlxserve.server.progress import Console
 from mlxserve.server.router import RetryPolicy, Router
 from mlxserve.server.supervisor import Supervisor
+from mlxserve.server.workers import BODIES, THREADS, Workers
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,22 @@ class Runtime:
         self.created = int(time.time())
         self.url: str | None = None
         retry = RetryPolicy(
-            server.retry_attempts, server.retry_backoff_s, server.retry_backoff_max_s
+            server.retry_attempts,
+            server.retry_backoff_s,
+            server.retry_backoff_max_s,
+            server.restart_wait_s,
         )
         self.router = Router(backends, retry, self.metrics)
         self.admission = Admission(
             settings.engine.max_running, server.max_queue, server.retry_after_s, self.metrics
+        )
+        # Preparing requests (templates, tokenizing) runs off the event loop; as many may
+        # wait for it as could wait for a slot after it, holding a few bodies' worth.
+        self.workers = Workers(
+            THREADS,
+            settings.engine.max_running + server.max_queue,
+            BODIES * server.max_body_bytes,
+            server.retry_after_s,
         )
         self.generations = Generations(
             codec=codec,
@@ -207,6 +219,7 @@ class Runtime:
                     "exit_code": i.exit_code,
                     "plan_hash": i.plan_hash,
                     "at": i.at,
+                    "evidence": i.evidence,
                 }
                 for i in self.supervisor.incidents
             ],
@@ -241,4 +254,5 @@ class Runtime:
         return False
 
     async def stop(self) -> None:
+        self.workers.shutdown()
         await self.supervisor.stop()

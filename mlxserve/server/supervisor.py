@@ -19,9 +19,11 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mlxserve.config import ServerSettings, state_dir
 from mlxserve.errors import UsageError
+from mlxserve.reliability.hang import LoopPauses
 from mlxserve.reliability.incidents import REMEMBERED, IncidentStore, from_plan
 from mlxserve.server.backends.base import (
     Backend,
@@ -52,6 +54,8 @@ class Incident:
     plan_hash: str
     at: float
     output_tail: tuple[str, ...] = ()
+    #: For a hang the front declared: what it saw (`mlxserve.reliability.hang.Evidence`).
+    evidence: dict[str, Any] | None = None
 
 
 def progress_timeout_s(backend: Backend) -> float:
@@ -88,6 +92,9 @@ class Supervisor:
         self.console = console
         self.on_healthy = on_healthy
         self.incidents: deque[Incident] = deque(maxlen=INCIDENTS_KEPT)
+        #: The front's own pauses: a probe that timed out while the front did not run
+        #: says nothing about the backend.
+        self.pauses = LoopPauses()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.refused: dict[str, str] = {}  # backend -> why it refuses to start
@@ -95,6 +102,7 @@ class Supervisor:
         self.all_refused = asyncio.Event()
 
     async def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self.pauses.run(), name="loop-pauses"))
         for backend in self.backends:
             self._tasks.append(asyncio.create_task(self._keep(backend), name=backend.name))
 
@@ -195,13 +203,20 @@ class Supervisor:
                 kind = incident_kind(code)
                 if backend.hung is not None and kind != "watchdog":
                     kind = "hung"  # the front saw it first, and the engine never ended itself
-                self._record(backend, kind, code)
+                evidence = backend.hung.as_dict() if backend.hung is not None else None
+                self._record(backend, kind, code, evidence)
 
-    def _record(self, backend: Backend, kind: str, code: int | None) -> None:
+    def _record(
+        self,
+        backend: Backend,
+        kind: str,
+        code: int | None,
+        evidence: dict[str, Any] | None = None,
+    ) -> None:
         plan_hash = backend.info.plan_hash if backend.info else "none"
         tail = tuple(backend.output_tail) if isinstance(backend, LocalEngine) else ()
         at = getattr(backend, "exited_at", None) if code is not None else None
-        incident = Incident(backend.name, kind, code, plan_hash, at or time.time(), tail)
+        incident = Incident(backend.name, kind, code, plan_hash, at or time.time(), tail, evidence)
         self.incidents.append(incident)
         if kind in REMEMBERED and backend.info is not None and backend.info.plan:
             self._remember(backend, incident)
@@ -230,6 +245,7 @@ class Supervisor:
             backend=backend.name,
             at=incident.at,
             step_kind=step_kind,
+            evidence=incident.evidence,
         )
         store = IncidentStore(state_dir(self.settings))
         try:
@@ -240,8 +256,24 @@ class Supervisor:
         log.info("incident remembered in %s", store.path)
 
     async def probe(self, backend: Backend) -> bool:
-        """A real one-token generation within `ready_timeout_s`."""
-        params = GenerationParams(prompt_ids=self.probe_ids, max_tokens=1, temperature=0.0)
+        """A real one-token generation within `ready_timeout_s`; asked again once if the
+        front itself paused while it waited (the backend was not the one that was silent)."""
+        began = self.pauses.look()
+        if await self._probe_once(backend):
+            return True
+        now = self.pauses.look()
+        if self.pauses.paused_within(began, now) > 0 and backend.connected:
+            log.info("health probe of '%s' spanned a pause of the front: asked again", backend.name)
+            return await self._probe_once(backend)
+        return False
+
+    async def _probe_once(self, backend: Backend) -> bool:
+        # The model's own stops, as a client's request has them: an empty set asks to
+        # ignore EOS, a field a strict OpenAI-compatible remote refuses.
+        stops = backend.info.eos_token_ids if backend.info is not None else ()
+        params = GenerationParams(
+            prompt_ids=self.probe_ids, max_tokens=1, temperature=0.0, stop_token_ids=stops
+        )
         stream = backend.generate(f"probe-{uuid.uuid4().hex[:12]}", params)
         try:
             async with asyncio.timeout(self.settings.ready_timeout_s):

@@ -38,6 +38,7 @@ overrides = ["progress_timeout_s={PROGRESS_TIMEOUT_S}"]
 port = 0
 ready_interval_s = 60.0
 hang_floor_s = 30.0
+restart_wait_s = 0.0
 """
 BODY = {
     "model": "demo",

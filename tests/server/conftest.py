@@ -21,7 +21,12 @@ def codec() -> Codec:
     return Codec.load(DEMO_TOKENIZER)
 
 
+#: The Host name Starlette's TestClient sends, which the browser guard (no API key) must let in.
+TEST_CLIENT_HOST = "testserver"
+
+
 def make_runtime(codec: Codec, backends: list[FakeBackend], **server: object) -> Runtime:
+    server.setdefault("allowed_hosts", [TEST_CLIENT_HOST])
     settings = Settings(model="demo", server=server, engine={"max_running": 2})  # type: ignore[arg-type]
     return Runtime(settings, codec, list(backends))
 

@@ -281,7 +281,8 @@ def test_body_over_the_limit_is_413(client: TestClient) -> None:
     def chunked():  # type: ignore[no-untyped-def]
         yield json.dumps(big).encode()
 
-    assert_error(client.post("/v1/chat/completions", content=chunked()), 413)
+    json_type = {"content-type": "application/json"}
+    assert_error(client.post("/v1/chat/completions", content=chunked(), headers=json_type), 413)
 
 
 def test_unknown_route_and_method(client: TestClient) -> None:
@@ -377,7 +378,9 @@ def test_queue_full_is_429_with_retry_after(codec: Codec) -> None:
 
 def test_no_healthy_backend_is_503_with_retry_after(codec: Codec) -> None:
     down = FakeBackend("primary")
-    runtime = make_runtime(codec, [down], retry_attempts=2, retry_backoff_s=0.01)
+    runtime = make_runtime(
+        codec, [down], retry_attempts=2, retry_backoff_s=0.01, restart_wait_s=0.1
+    )
     down.up()
     down.fail()
     with TestClient(create_app(runtime)) as client:

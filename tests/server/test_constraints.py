@@ -9,6 +9,7 @@ import pytest
 from mlxserve.engine.grammar import Grammar, Grammars
 from mlxserve.server.codec import Codec
 from mlxserve.server.constraints import (
+    ToolStyle,
     after_reasoning,
     forced_tool_grammar,
     response_format_grammar,
@@ -41,36 +42,92 @@ def test_schema_and_tool_grammars(grammars: Grammars, codec: Codec) -> None:
     fmt = ResponseFormat.model_validate(
         {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
     )
-    grammar = response_format_grammar(fmt)
+    grammar = response_format_grammar(fmt, codec)
     assert grammar is not None
     assert takes(grammars.compile(grammar), codec, '{"a":"x"}')
     assert not takes(grammars.compile(grammar), codec, '{"a":"y"}')
     assert not takes(grammars.compile(grammar), codec, '{ "a": "x"}')  # compact only
     tool = FunctionDefinition(name="f", parameters=schema)
     call = '<tool_call>{"name":"f","arguments":{"a":"x"}}</tool_call>'
-    one = forced_tool_grammar("json_tools", [tool], parallel=False)
+    one = forced_tool_grammar("json_tools", [("tools.0", tool)], False, codec)
     assert takes(compiled := grammars.compile(one), codec, call) and compiled.finished
     assert not takes(grammars.compile(one), codec, "Sure: " + call)
-    assert takes(grammars.compile(forced_tool_grammar("json_tools", [tool], True)), codec, call * 2)
+    both = forced_tool_grammar("json_tools", [("tools.0", tool)], True, codec)
+    assert takes(grammars.compile(both), codec, call * 2)
 
 
 def test_thinking_then_the_grammar(grammars: Grammars, codec: Codec) -> None:
     fmt = ResponseFormat.model_validate({"type": "json_object"})
-    inner = response_format_grammar(fmt)
+    inner = response_format_grammar(fmt, codec)
     assert inner is not None
-    grammar = grammars.compile(after_reasoning(inner, "</think>"))
+    grammar = grammars.compile(after_reasoning(inner, "</think>", codec, "response_format"))
     assert takes(grammar, codec, 'Let me see: "quotes", {braces}\nand lines.</think>{"k":1}')
     tool = FunctionDefinition(name="f")
-    forced = after_reasoning(forced_tool_grammar("json_tools", [tool], False), "</think>")
+    forced = forced_tool_grammar("json_tools", [("tools.0", tool)], False, codec)
+    forced = after_reasoning(forced, "</think>", codec, "tools")
     call = '<tool_call>{"name":"f","arguments":{}}</tool_call>'
     assert takes(grammars.compile(forced), codec, "hmm</think>" + call)
 
 
-def test_bad_schemas_are_400() -> None:
+def test_bad_schemas_are_400(codec: Codec) -> None:
     bad = ResponseFormat.model_validate(
         {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}
     )
     with pytest.raises(InvalidRequest) as caught:
-        response_format_grammar(bad)
-    assert caught.value.param.startswith("response_format")  # type: ignore[union-attr]
+        response_format_grammar(bad, codec)
+    assert caught.value.param == "response_format.json_schema.schema"
     assert json.dumps(caught.value.body())
+
+
+#: No finite value: llguidance compiles it and fails at the first mask (in the engine,
+#: inside a step, after admission; it was a 503 after a retry on every backend).
+RECURSIVE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+UNSATISFIABLE = {"allOf": [{"type": "string"}, {"type": "integer"}]}
+#: The first mask is fine here: llguidance gets stuck only after ``{"x":``.
+DEEP = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "$defs": RECURSIVE["$defs"]}
+
+
+@pytest.mark.parametrize("schema", [RECURSIVE, UNSATISFIABLE, DEEP])
+def test_a_schema_no_answer_can_follow_is_400_naming_it(
+    codec: Codec, schema: dict[str, object]
+) -> None:
+    fmt = ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    )
+    with pytest.raises(InvalidRequest) as caught:
+        response_format_grammar(fmt, codec)
+    assert caught.value.param == "response_format.json_schema.schema"
+    assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("style", ["json_tools", "dsml"])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_forced_tool_whose_schema_cannot_be_enforced_is_named(
+    codec: Codec, style: ToolStyle, parallel: bool
+) -> None:
+    good = FunctionDefinition(name="good", parameters={"type": "object", "properties": {}})
+    loop = {"$ref": "#/$defs/a"}
+    for parameters in [
+        # The recursion under an optional key: llguidance lets the key be written.
+        {"type": "object", "properties": {"x": loop}, "$defs": {"a": loop}},
+        # A value's own schema recursing (DSML embeds each value's schema alone).
+        {"type": "object", "properties": {"x": RECURSIVE}},
+        # A $ref to nothing.
+        {"type": "object", "properties": {"x": loop}},
+        RECURSIVE,
+    ]:
+        bad = FunctionDefinition(name="bad", parameters=parameters)
+        tools = [("tools.0.function.parameters", good), ("tools.3.function.parameters", bad)]
+        with pytest.raises(InvalidRequest) as caught:
+            forced_tool_grammar(style, tools, parallel, codec)
+        assert caught.value.param == "tools.3.function.parameters", parameters
+    assert forced_tool_grammar(style, tools[:1], parallel, codec)  # the good one alone is fine
+
+
+def test_the_grammar_check_does_not_refuse_a_schema_that_only_recurses(codec: Codec) -> None:
+    """A tree (a ``$ref`` under an optional key) has finite values: it is enforced."""
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
+    fmt = ResponseFormat.model_validate(
+        {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}
+    )
+    assert response_format_grammar(fmt, codec) is not None

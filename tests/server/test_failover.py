@@ -252,3 +252,29 @@ def test_long_prefill_with_probes_and_streams_is_not_declared_hung(tmp_path: Pat
         assert not any("is hung" in line for line in live.lines), live.tail()
     finally:
         assert live.stop() == 0, live.tail()
+
+
+@pytest.mark.parametrize("server", [None], indirect=True)
+def test_both_backends_killed_lose_nothing(server: LiveServer) -> None:
+    """Primary and standby killed 0.5 s apart mid-stream: every backend is down for
+    the seconds a restart takes, longer than the retry's backoff. Admitted requests
+    wait for one to come back (`restart_wait_s`) and resume exactly: 4/4 answered."""
+    killed: list[str] = []
+
+    def kill_both_when_streaming(streams: list[Stream]) -> None:
+        deadline = time.monotonic() + 60
+        while not all(s.chunks for s in streams) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _, detail = server.ready()
+        pids = {b["name"]: b["pid"] for b in detail["backends"]}
+        os.kill(pids["primary"], signal.SIGKILL)
+        killed.append("primary")
+        time.sleep(0.5)
+        os.kill(pids["standby"], signal.SIGKILL)
+        killed.append("standby")
+
+    streams = run_all(server.url, kill_both_when_streaming)
+    assert killed == ["primary", "standby"]
+    assert sorted(i["backend"] for i in server.incidents(2)) == ["primary", "standby"]
+    assert all(s.error is None and s.finish is not None for s in streams), streams
+    check_recovery(server, streams)

@@ -6,6 +6,7 @@ import pytest
 
 from mlxserve.server.backends.base import (
     BackendRejected,
+    BackendRequestFailed,
     BackendUnavailable,
     GenerationParams,
     Tokens,
@@ -15,7 +16,7 @@ from mlxserve.server.router import Job, NoHealthyBackend, RetryPolicy, Router
 from tests.server.fakes import FakeBackend, greedy
 
 PROMPT = (1, 2, 3)
-FAST = RetryPolicy(attempts=3, backoff_s=0.001, backoff_max_s=0.01)
+FAST = RetryPolicy(attempts=3, backoff_s=0.001, backoff_max_s=0.01, restart_wait_s=0.05)
 
 
 async def run(router: Router, max_tokens: int = 12) -> list[int]:
@@ -104,20 +105,22 @@ def test_unavailable_is_retryable() -> None:
     assert issubclass(NoHealthyBackend, BackendUnavailable)
 
 
-def test_a_failed_step_is_retried_on_the_next_backend_not_the_same() -> None:
+def test_a_failed_step_fails_its_request_and_is_not_retried() -> None:
+    """A request-level failure (a step that raised for it) is the request's, not an
+    outage: no other backend is tried, no retry is counted, the backend stays active."""
+    metrics = Metrics()
     a = FakeBackend("a", fail_after=3, step_fails=True).up()
     b = FakeBackend("b").up()
-    router = Router([a, b], FAST, Metrics())
-    assert router.active is a  # the backend itself stays healthy and active
-    out = asyncio.run(run(router))
-    assert out == greedy(list(PROMPT), 12)
-    assert len(a.calls) == 1 and len(b.calls) == 1
-    assert router.active is a
-
-
-def test_a_failed_step_with_no_other_backend_is_not_retried_on_the_same() -> None:
-    a = FakeBackend("a", fail_after=3, step_fails=True).up()
-    router = Router([a], FAST, Metrics())
-    with pytest.raises(NoHealthyBackend):
+    router = Router([a, b], FAST, metrics)
+    with pytest.raises(BackendRequestFailed, match="step failed"):
         asyncio.run(run(router))
-    assert len(a.calls) == 1
+    assert len(a.calls) == 1 and b.calls == []
+    assert router.active is a and a.healthy
+    assert counter(metrics, "mlxserve_request_retries_total") == 0
+    assert counter(metrics, "mlxserve_failovers_total") == 0
+
+
+def test_a_request_failure_is_not_unavailability() -> None:
+    """Retries are for `BackendUnavailable` only; the request's own failure is not one."""
+    assert not issubclass(BackendRequestFailed, BackendUnavailable)
+    assert not issubclass(BackendRejected, BackendUnavailable)

@@ -254,3 +254,44 @@ def test_unsupported_fields_are_refused_by_name(client: openai.OpenAI) -> None:
                 extra_body=extra,  # type: ignore[arg-type]
             )
         assert caught.value.body["param"] == param  # type: ignore[index]
+
+
+#: A schema with no finite value: llguidance compiles it, then fails at the first mask.
+RECURSIVE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}
+
+
+def test_a_schema_the_engine_cannot_enforce_is_a_400_naming_it(live: LiveServer) -> None:
+    """Refused before admission (a bad request, not an outage: never 503, never retried),
+    and the engine goes on serving."""
+    recursive_tool = {"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}
+    for extra, param in [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "r", "schema": RECURSIVE},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"tools": [TIME, recursive_tool], "tool_choice": "required"},
+            "tools.1.function.parameters",
+        ),
+        (
+            {
+                "tools": [TIME, recursive_tool],
+                "tool_choice": {"type": "function", "function": {"name": "f"}},
+            },
+            "tools.1.function.parameters",
+        ),
+    ]:
+        with live.client() as http:
+            body = {"model": MODEL, "messages": ASK, "max_tokens": 4, **extra}
+            response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and error["code"] == "invalid_value"
+    with live.client() as http:
+        body = {"model": MODEL, "messages": ASK, "max_tokens": 4}
+        assert http.post("/v1/chat/completions", json=body).status_code == 200

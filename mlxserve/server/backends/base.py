@@ -1,9 +1,17 @@
 """What the router needs from a backend, whatever runs behind it.
 
 A backend streams token ids for one request at a time per call, many calls at
-once. It raises `BackendUnavailable` when it cannot finish a request for
-reasons of its own (process gone, connection lost, silent for too long): the
-router may then resume that request elsewhere. Anything else is not retried.
+once. When it cannot finish a request it raises a `BackendError` that says whose
+failure it is, once, where it is known:
+
+- `BackendUnavailable`: the backend's own (process gone, connection lost, silent
+  for too long): the router resumes the request elsewhere;
+- `BackendRequestFailed`: this request's (a grammar the engine could not apply, a
+  step that raised for it), on a backend that goes on serving the others: not
+  retried, since the same inputs fail the same way anywhere, and a client told
+  "unavailable" would only send it again;
+- `BackendRejected`: the backend refused the request before starting it (a
+  remote's 4xx, a field it cannot honour): not retried either.
 """
 
 from __future__ import annotations
@@ -14,22 +22,27 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlxserve.engine.request import TokenLogprob, only_temperature_top_p
+from mlxserve.engine.request import TokenLogprob
 
 
-class BackendUnavailable(Exception):
+class BackendError(Exception):
+    """A backend could not finish a request; the subclass says whose failure it is."""
+
+
+class BackendUnavailable(BackendError):
     """The backend cannot serve this request now; another backend may."""
 
 
-class BackendRequestFailed(BackendUnavailable):
-    """The backend failed this one request but is otherwise fine (e.g. a step raised)."""
+class BackendRequestFailed(BackendError):
+    """The backend failed this one request but is otherwise fine (e.g. a step raised):
+    a request-level failure, never retried elsewhere and never an outage."""
 
 
 class BackendRefused(BackendUnavailable):
     """The backend refuses to start with its settings (an engine's exit 2): retrying can't help."""
 
 
-class BackendRejected(Exception):
+class BackendRejected(BackendError):
     """The backend refused the request itself (a 4xx from a remote): retrying won't help."""
 
 
@@ -40,6 +53,7 @@ class GenerationParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    #: The model's end-of-sequence ids; empty: keep going past them (``ignore_eos``).
     stop_token_ids: tuple[int, ...] = ()
     top_k: int = 0
     min_p: float = 0.0
@@ -52,11 +66,6 @@ class GenerationParams:
     grammar: str | None = None
     #: Tokens at the end of the prompt already generated under the grammar (a resume).
     grammar_prefix: tuple[int, ...] = ()
-
-    @property
-    def plain(self) -> bool:
-        """Only what any OpenAI-compatible completions server understands."""
-        return only_temperature_top_p(self) and self.grammar is None
 
 
 @dataclass(frozen=True)

@@ -40,8 +40,10 @@ from mlxserve.channel.messages import (
 )
 from mlxserve.channel.messages import Tokens as Tokens_
 from mlxserve.engine.request import TokenLogprob
+from mlxserve.reliability.hang import EngineStatus, Evidence, HangDetector, LoopPauses
 from mlxserve.server.backends.base import (
     Backend,
+    BackendError,
     BackendEvent,
     BackendInfo,
     BackendRefused,
@@ -60,11 +62,11 @@ STOP_GRACE_S = 5.0
 OUTPUT_TAIL_LINES = 80
 OUTPUT_GRACE_S = 2.0
 EXIT_USAGE = 2  # the engine's "bad settings" exit: restarting it cannot help
-HANG_P99_MULTIPLE = 20.0  # a step this many times its kind's p99 is not slow but hung
 HANG_TICK_S = 0.1  # how often the step counter is checked while requests wait
+VERIFY_S = 1.0  # how long a suspected engine has to answer a status request
 WAIT_TICK_S = 1.0  # how often a waiting request checks the engine's signs of life
 
-_Item = BackendEvent | BackendUnavailable
+_Item = BackendEvent | BackendError  # an error: how this request ended, whose failure
 
 
 def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
@@ -93,6 +95,7 @@ class LocalEngine(Backend):
         hang_floor_s: float = 3.0,
         python: str = sys.executable,
         launcher: Callable[[Mapping[str, str]], list[str]] | None = None,
+        pauses: LoopPauses | None = None,
     ) -> None:
         super().__init__(name)
         #: For a tensor-parallel group: the launcher command the engine command follows
@@ -103,7 +106,8 @@ class LocalEngine(Backend):
         self._env = dict(env)
         self._startup_timeout_s = startup_timeout_s
         self._request_timeout_s = request_timeout_s
-        self.hang_floor_s = hang_floor_s
+        self.pauses = pauses or LoopPauses(tick_s=HANG_TICK_S)
+        self.detector = HangDetector(hang_floor_s, self.pauses)
         self._python = python
         self._starts = 0
         self._proc: asyncio.subprocess.Process | None = None
@@ -119,14 +123,8 @@ class LocalEngine(Backend):
         self.exit_code: int | None = None
         self.exited_at: float | None = None
         self.output_tail: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
-        # The engine's step counter as last reported, and when it last moved (monotonic).
-        self.steps = -1
-        self.step_moved_at = 0.0
-        self.expected_step_s = 0.0
-        self.step_kind: str | None = None  # of the last step reported in flight
-        self._busy_since = 0.0  # when the front last went from no request to some
-        #: Set when the front declared this engine hung: (wall time, seconds without a step).
-        self.hung: tuple[float, float] | None = None
+        #: Set when the front declared this engine hung (a verified hang): why.
+        self.hung: Evidence | None = None
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -157,8 +155,7 @@ class LocalEngine(Backend):
         self._exited = asyncio.Event()
         self.exit_code = None
         self.hung = None
-        self.steps = -1
-        self.step_kind = None
+        self.detector.reset(self.pauses.look())
         self.output_tail.clear()
         self._dir = Path(tempfile.mkdtemp(prefix="mlxserve-engine-"))  # mode 0700
         socket_path = self._dir / "engine.sock"
@@ -306,39 +303,48 @@ class LocalEngine(Backend):
     def watches_progress(self) -> bool:
         return True
 
-    def hang_limit_s(self) -> float:
-        """How long the step counter may stand still while requests wait."""
-        return max(self.hang_floor_s, HANG_P99_MULTIPLE * self.expected_step_s)
-
-    def stalled_for(self, now: float) -> float:
-        """Seconds without a finished step while requests waited (0 when none waits)."""
-        if not self._streams:
-            return 0.0
-        return now - max(self.step_moved_at, self._busy_since)
+    @property
+    def step_kind(self) -> str | None:
+        """The kind of the step last reported in flight (for the incident record)."""
+        return self.detector.step_kind
 
     async def _watch_steps(self) -> None:
-        """Declare the engine hung when it has work and its step counter stops.
+        """Declare the engine hung when it owes requests and its step counter stops.
 
         Why here and not only the engine's watchdog: that one must wait out the
         slowest legitimate step of any cluster (tens of seconds); the front knows
-        this engine's own step times and can fail over in a few seconds. The
-        engine is left to its watchdog, which dumps its stacks before it exits.
+        this engine's own step times and can fail over in a few seconds. A
+        suspicion is verified by asking the engine before anything is declared
+        (`mlxserve.reliability.hang`). The engine is left to its watchdog, which
+        dumps its stacks before it exits.
         """
+        detector = self.detector
         while self._connected:
             await asyncio.sleep(HANG_TICK_S)
-            stalled = self.stalled_for(time.monotonic())
-            limit = self.hang_limit_s()
-            if self._connected and stalled > limit:
-                self.hung = (time.time(), stalled)
-                log.warning(
-                    "engine '%s' is hung: no step finished for %.1f s (limit %.1f s); "
-                    "its requests resume elsewhere",
-                    self.name,
-                    stalled,
-                    limit,
-                )
-                self._lost(f"hung (no step finished for {stalled:.1f} s)")
-                return
+            if not (self._connected and detector.suspect(self.pauses.look())):
+                continue
+            status: EngineStatus | None = None
+            try:
+                answer = await self.status(VERIFY_S)
+                status = EngineStatus(answer.running, answer.queued, answer.progress)
+            except TimeoutError:
+                pass  # frozen: not even its socket thread answers
+            except BackendUnavailable:
+                return  # gone meanwhile: the exit path takes over
+            now = self.pauses.look()
+            if not (self._connected and detector.suspect(now)):
+                continue  # the front paused meanwhile, or a step finished
+            evidence = detector.verdict(status, now)
+            if evidence is None:
+                continue
+            self.hung = evidence
+            log.warning(
+                "engine '%s' is hung: %s; its requests resume elsewhere",
+                self.name,
+                evidence.summary(),
+            )
+            self._lost(f"hung (no step finished for {evidence.stalled_for_s:.1f} s)")
+            return
 
     # -- the channel ---------------------------------------------------------------------
 
@@ -358,6 +364,7 @@ class LocalEngine(Backend):
     def _dispatch(self, message: object) -> None:
         if isinstance(message, Tokens_):
             queue = self._streams.get(message.id)
+            self.detector.heard(time.monotonic())
             if queue is not None:
                 self.proof_of_life()
                 logprobs = None
@@ -367,6 +374,8 @@ class LocalEngine(Backend):
                     )
                 queue.put_nowait(Tokens(tuple(message.token_ids), logprobs))
         elif isinstance(message, Finish):
+            self.detector.done(message.id)
+            self.detector.heard(time.monotonic())
             queue = self._streams.get(message.id)
             if queue is None:
                 return
@@ -387,14 +396,14 @@ class LocalEngine(Backend):
                 )
             )
         elif isinstance(message, Progress):
-            if message.steps != self.steps:
-                self.steps = message.steps
-                self.step_moved_at = time.monotonic()
+            moved = message.steps != self.detector.steps
+            self.detector.progress(
+                message.steps, message.expected_step_s, message.step_kind, time.monotonic()
+            )
+            if moved:
                 self.proof_of_life()
-            self.expected_step_s = message.expected_step_s
-            if message.step_kind is not None:
-                self.step_kind = message.step_kind
         elif isinstance(message, Status):
+            self.detector.heard(time.monotonic())
             if self._status_waiters:
                 waiter = self._status_waiters.popleft()
                 if not waiter.done():
@@ -402,6 +411,8 @@ class LocalEngine(Backend):
         elif isinstance(message, Error):
             log.warning("engine '%s' reported: %s", self.name, message.message)
             queue = self._streams.get(message.id) if message.id else None
+            if message.id:
+                self.detector.done(message.id)
             if queue is not None:
                 queue.put_nowait(BackendRequestFailed(f"engine '{self.name}': {message.message}"))
 
@@ -411,6 +422,7 @@ class LocalEngine(Backend):
             log.log(level, "engine '%s' is gone: %s", self.name, reason)
         self._connected = False
         self.set_healthy(False)
+        self.detector.owed.clear()  # a lost engine owes nothing; a restart starts afresh
         error = BackendUnavailable(f"engine '{self.name}' {reason}")
         for queue in self._streams.values():
             queue.put_nowait(error)
@@ -437,12 +449,11 @@ class LocalEngine(Backend):
             raise ValueError(f"request id {request_id} is already in flight")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         started = time.monotonic()
-        if not self._streams:
-            self._busy_since = started
         self._streams[request_id] = queue
         finished = False
         self.state.in_flight += 1
         try:
+            self.detector.sent(request_id, started)
             self._send(
                 Generate(
                     id=request_id,
@@ -464,15 +475,17 @@ class LocalEngine(Backend):
                 except TimeoutError:
                     # Silence is measured on the engine, not this request: a request
                     # queued behind a long prefill waits as long as steps finish.
-                    alive = max(self.state.last_ok, self.step_moved_at, started)
-                    if time.monotonic() - alive < self._request_timeout_s:
+                    alive = max(self.state.last_ok, self.detector.moved_at, started)
+                    now = self.pauses.look()
+                    silent = now - alive - self.pauses.paused_within(alive, now)
+                    if silent < self._request_timeout_s:
                         continue
                     self.set_healthy(False)
                     raise BackendUnavailable(
                         f"engine '{self.name}' showed no sign of life for "
                         f"{self._request_timeout_s:g} s"
                     ) from None
-                if isinstance(item, BackendUnavailable):
+                if isinstance(item, BackendError):
                     finished = True  # nothing left to cancel on the engine side
                     raise item
                 if isinstance(item, Finished):
@@ -483,6 +496,7 @@ class LocalEngine(Backend):
         finally:
             self.state.in_flight -= 1
             self._streams.pop(request_id, None)
+            self.detector.done(request_id)
             if not finished and self._connected:
                 with contextlib.suppress(BackendUnavailable, ConnectionError):
                     self._send(Cancel(id=request_id))

@@ -5,6 +5,14 @@ OpenAI-compatible server accepts, to its /completions endpoint with streaming;
 the text that comes back is re-encoded with the front's tokenizer, so the
 router can count tokens and resume as it does with a local engine. Resumption
 is exact only when the remote uses the same tokenizer and model.
+
+Every field of `GenerationParams` reaches the remote (`completion_body`) or the
+request is refused naming it: a field dropped on the way would be a request
+answered differently than asked (an ``ignore_eos`` lost stopped resumed streams
+early), without anyone told. Failures are classified as the remote states them:
+its refusal (a 4xx) is `BackendRejected`, its report that this request failed
+(mlxserve's ``request_failed``) is `BackendRequestFailed`, anything else of its
+own (a 5xx, a 429, a dropped connection) is `BackendUnavailable`.
 """
 
 from __future__ import annotations
@@ -17,17 +25,70 @@ import httpx
 
 from mlxserve.server.backends.base import (
     Backend,
+    BackendError,
     BackendEvent,
     BackendInfo,
     BackendRejected,
+    BackendRequestFailed,
     BackendUnavailable,
     Finished,
     GenerationParams,
     Tokens,
 )
 from mlxserve.server.codec import Codec
+from mlxserve.server.errors import RequestFailed
 
 CONNECT_TIMEOUT_S = 5.0
+#: The error code with which mlxserve reports a failure of the request itself.
+REQUEST_FAILED = RequestFailed.code
+
+
+def refused_fields(params: GenerationParams) -> list[str]:
+    """The fields of ``params`` no /completions body can carry, asked for."""
+    asked = {
+        # llguidance's grammar has no /completions field; a schema as chat's
+        # response_format would be another request (the prompt is built already).
+        "grammar": params.grammar is not None,
+        # Logprobs come back per piece of text, not per token id of this tokenizer.
+        "logprobs": params.logprobs is not None,
+    }
+    return [name for name, on in asked.items() if on]
+
+
+def completion_body(params: GenerationParams, model: str, prompt: str) -> dict[str, Any]:
+    """The streaming /completions body of ``params``: every field but the
+    `refused_fields` carried.
+
+    A field at its neutral value is left out, so a plain request suits any
+    OpenAI-compatible server; the vendor extensions (``ignore_eos``, ``top_k``,
+    ``min_p``, ``repetition_penalty``, as in vLLM and mlxserve) are sent only when
+    asked for, and a server without them refuses them by name (its 4xx).
+    ``stop_token_ids`` is the model's EOS ids or none: the remote serves the same
+    model and stops at its own EOS, so only "none" (``ignore_eos``) is sent.
+    ``grammar_prefix`` is the prompt's own tail, which the prompt text carries;
+    it matters only to a grammar, and a grammar is refused.
+    """
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": params.max_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    optional: dict[str, Any] = {
+        "seed": params.seed,
+        "ignore_eos": True if not params.stop_token_ids else None,
+        "top_k": params.top_k or None,
+        "min_p": params.min_p or None,
+        "presence_penalty": params.presence_penalty or None,
+        "frequency_penalty": params.frequency_penalty or None,
+        "repetition_penalty": None if params.repetition_penalty == 1 else params.repetition_penalty,
+        "logit_bias": {str(t): b for t, b in params.logit_bias} or None,
+    }
+    body.update({key: value for key, value in optional.items() if value is not None})
+    return body
 
 
 class RemoteBackend(Backend):
@@ -95,36 +156,18 @@ class RemoteBackend(Backend):
     ) -> AsyncGenerator[BackendEvent, None]:
         if self._client is None:
             raise BackendUnavailable(f"remote '{self.name}' is not connected")
-        if not params.plain:
-            # A text prompt to /completions cannot carry a grammar, a resumed grammar
-            # state or token logprobs faithfully: refused, not answered differently.
+        refused = refused_fields(params)
+        if refused:  # refused, not answered otherwise than asked
             raise BackendRejected(
-                f"remote '{self.name}' serves only temperature, top_p and seed; "
-                "grammars, penalties, logit_bias, top_k, min_p and logprobs need a local engine"
+                f"remote '{self.name}' cannot honour {' and '.join(refused)} (an "
+                "OpenAI-compatible /completions has no such field); it needs a local engine"
             )
-        body: dict[str, Any] = {
-            "model": self._model,
-            "prompt": self._codec.decode(list(params.prompt_ids)),
-            "max_tokens": params.max_tokens,
-            "temperature": params.temperature,
-            "top_p": params.top_p,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if params.seed is not None:
-            body["seed"] = params.seed
+        body = completion_body(params, self._model, self._codec.decode(list(params.prompt_ids)))
         self.state.in_flight += 1
         try:
             async with self._client.stream("POST", "/completions", json=body) as response:
-                if response.status_code >= 500 or response.status_code == 429:
-                    raise BackendUnavailable(
-                        f"remote '{self.name}' answered {response.status_code}"
-                    )
                 if response.status_code != 200:
-                    detail = (await response.aread())[:300].decode(errors="replace")
-                    raise BackendRejected(
-                        f"remote '{self.name}' answered {response.status_code}: {detail}"
-                    )
+                    raise await self._refusal(response)
                 async for event in self._events(response, len(params.prompt_ids)):
                     yield event
         except httpx.HTTPError as exc:
@@ -145,7 +188,9 @@ class RemoteBackend(Backend):
                 break
             chunk = json.loads(data)
             if "error" in chunk:
-                raise BackendUnavailable(f"remote '{self.name}': {chunk['error']}")
+                error = chunk["error"]
+                kind = _failure_kind(error)
+                raise kind(f"remote '{self.name}': {_message(error)}")
             for choice in chunk.get("choices") or []:
                 ids = self._codec.text_ids(choice.get("text") or "")
                 if ids:
@@ -160,3 +205,30 @@ class RemoteBackend(Backend):
             prompt_tokens=prompt_tokens,
             completion_tokens=generated,
         )
+
+    async def _refusal(self, response: httpx.Response) -> BackendError:
+        """The failure a non-200 answer states, as its status and error code say."""
+        status = response.status_code
+        raw = await response.aread()
+        try:
+            error = json.loads(raw).get("error")
+        except (ValueError, AttributeError):
+            error = None
+        detail = _message(error) if error is not None else raw[:300].decode(errors="replace")
+        message = f"remote '{self.name}' answered {status}: {detail}"
+        if status >= 500 or status == 429:
+            kind = _failure_kind(error) if status == 500 else BackendUnavailable
+            return kind(message)
+        return BackendRejected(message)
+
+
+def _failure_kind(error: object) -> type[BackendRequestFailed | BackendUnavailable]:
+    """A remote's error of this request only (mlxserve's ``request_failed``), or its own."""
+    code = error.get("code") if isinstance(error, dict) else None
+    return BackendRequestFailed if code == REQUEST_FAILED else BackendUnavailable
+
+
+def _message(error: object) -> str:
+    """An OpenAI-shaped error's message (else the error as it came), kept short."""
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message if message is not None else error)[:300]

@@ -23,7 +23,7 @@ from mlxserve.server.chat_prompt import ChatPrompt
 from mlxserve.server.choices import fan_out
 from mlxserve.server.codec import Codec
 from mlxserve.server.errors import InvalidRequest
-from mlxserve.server.generation import Delta
+from mlxserve.server.generation import Delta, Prepared
 from mlxserve.server.logprobs import chat_logprobs
 from mlxserve.server.protocol import (
     AssistantMessage,
@@ -37,7 +37,7 @@ from mlxserve.server.protocol import (
     ToolCallOut,
     Usage,
 )
-from mlxserve.server.routes.chat_call import as_chat, read_chat
+from mlxserve.server.routes.chat_call import ChatCall, as_chat, read_generation
 from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
@@ -57,15 +57,20 @@ def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
     return (body.top_logprobs or 0) if body.logprobs else None
 
 
-async def chat_completions(request: Request) -> Response:
-    call = await read_chat(request, ChatCompletionRequest, as_chat)
-    call.refuse_prefill(f"messages.{len(call.body.messages) - 1}.role")
-    body, prompt, codec = call.body, call.prompt, call.runtime.codec
-    generations = call.runtime.generations
+def _prepare(call: ChatCall[ChatCompletionRequest]) -> Prepared:
+    """The route's checks and its generation (in a worker thread: see `read_generation`)."""
+    body = call.body
+    call.refuse_prefill(f"messages.{len(body.messages) - 1}.role")
     extra = call.extra()
     extra["logprobs"] = chat_logprobs_count(body)
     limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    prepared = call.prepare(limit_param=limit_param, extra=extra)
+    return call.prepare(limit_param=limit_param, extra=extra)
+
+
+async def chat_completions(request: Request) -> Response:
+    call, prepared = await read_generation(request, ChatCompletionRequest, as_chat, _prepare)
+    body, prompt, codec = call.body, call.prompt, call.runtime.codec
+    generations = call.runtime.generations
     meta: dict[str, Any] = {
         "id": f"chatcmpl-{prepared.request_id}",
         "created": int(time.time()),

@@ -5,10 +5,15 @@ Chat completions, Anthropic Messages (and its count_tokens), the Responses API a
 to the internal chat request, build the prompt. One function does it so that the
 order, and so which error a request with several faults gets, is the same
 everywhere: a wrong model is a 404 before anything about the content is judged.
+
+Everything after parsing (the template or encoder, tokenizing, a generating
+route's grammar and checks) runs in the runtime's worker threads
+(`mlxserve.server.workers`), never on the event loop, which serves every stream.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -17,24 +22,26 @@ from starlette.requests import Request
 
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from mlxserve.server.chat_prompt import ChatPrompt, build_chat_prompt
+from mlxserve.server.codec import Codec
 from mlxserve.server.constraints import after_reasoning, response_format_grammar
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.generation import Prepared
 from mlxserve.server.protocol import ChatCompletionRequest
 from mlxserve.server.responses_protocol import ResponsesRequest
-from mlxserve.server.routes.common import parse_body, runtime_of, sampling_extra
+from mlxserve.server.routes.common import off_loop, parse_body, runtime_of, sampling_extra
 from mlxserve.server.runtime import Runtime
 
 Body = TypeVar("Body", ChatCompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
 
 
-def chat_grammar(body: ChatCompletionRequest, prompt: ChatPrompt) -> str | None:
-    """The answer's grammar: a forced tool call's, or the response format's."""
+def chat_grammar(body: ChatCompletionRequest, prompt: ChatPrompt, codec: Codec) -> str | None:
+    """The answer's grammar: a forced tool call's, or the response format's (checked
+    against the model's tokenizer before admission: a 400 names a bad schema)."""
     if prompt.grammar is not None:
         return prompt.grammar  # a forced tool call's, reasoning included
-    grammar = response_format_grammar(body.response_format)
+    grammar = response_format_grammar(body.response_format, codec)
     if grammar is not None and prompt.reasoning_end is not None:
-        grammar = after_reasoning(grammar, prompt.reasoning_end)
+        grammar = after_reasoning(grammar, prompt.reasoning_end, codec, "response_format")
     return grammar
 
 
@@ -46,11 +53,13 @@ class ChatCall(Generic[Body]):
     body: Body
     chat: ChatCompletionRequest
     prompt: ChatPrompt
+    #: The field a prompt too long for the context is refused under.
+    prompt_param: str = "messages"
 
     def extra(self) -> dict[str, Any]:
         """The sampling fields beyond temperature, top_p and seed, and the grammar."""
         extra = sampling_extra(self.chat)
-        extra["grammar"] = chat_grammar(self.chat, self.prompt)
+        extra["grammar"] = chat_grammar(self.chat, self.prompt, self.runtime.codec)
         return extra
 
     def refuse_prefill(self, param: str) -> None:
@@ -70,7 +79,6 @@ class ChatCall(Generic[Body]):
         self,
         *,
         limit_param: str = "max_tokens",
-        prompt_param: str = "messages",
         extra: dict[str, Any] | None = None,
     ) -> Prepared:
         """The checked generation of this call, from its internal chat request (the
@@ -86,7 +94,7 @@ class ChatCall(Generic[Body]):
             stops=chat.stop_strings(),
             ignore_eos=bool(chat.ignore_eos),
             limit_param=limit_param,
-            prompt_param=prompt_param,
+            prompt_param=self.prompt_param,
             extra=self.extra() if extra is None else extra,
         )
 
@@ -94,13 +102,56 @@ class ChatCall(Generic[Body]):
 async def read_chat(
     request: Request, kind: type[Body], to_chat: Callable[[Body], ChatCompletionRequest]
 ) -> ChatCall[Body]:
-    """Parse, check the model, translate (`to_chat`), build the prompt: in that order."""
+    """Parse, check the model, translate (`to_chat`), build the prompt: in that order.
+
+    For routes that count or show the prompt: it is tokenized whatever its length."""
+    body = await parse_body(request, kind)
+    return await off_loop(request, open_chat, runtime_of(request), body, to_chat, None)
+
+
+async def read_generation(
+    request: Request,
+    kind: type[Body],
+    to_chat: Callable[[Body], ChatCompletionRequest],
+    prepare: Callable[[ChatCall[Body]], Prepared],
+    prompt_param: str = "messages",
+) -> tuple[ChatCall[Body], Prepared]:
+    """`read_chat` for a generating route, then its own checks and generation
+    (`prepare`, in the same worker thread). A prompt that cannot fit the context is
+    refused from its size before it is tokenized, under `prompt_param`."""
     runtime = runtime_of(request)
     body = await parse_body(request, kind)
+    return await off_loop(request, _generation, runtime, body, to_chat, prepare, prompt_param)
+
+
+def open_chat(
+    runtime: Runtime,
+    body: Body,
+    to_chat: Callable[[Body], ChatCompletionRequest],
+    prompt_param: str | None,
+) -> ChatCall[Body]:
+    """Check the model, translate, build the prompt (blocking: a worker thread's job).
+    `prompt_param` None: no size check (the prompt is counted, not generated from)."""
     runtime.generations.check_model(body.model)
     chat = to_chat(body)
-    prompt = build_chat_prompt(chat, runtime.codec, runtime.settings.chat.thinking)
-    return ChatCall(runtime, body, chat, prompt)
+    encode = (
+        None
+        if prompt_param is None
+        else functools.partial(runtime.generations.prompt_ids, param=prompt_param)
+    )
+    prompt = build_chat_prompt(chat, runtime.codec, runtime.settings.chat.thinking, encode)
+    return ChatCall(runtime, body, chat, prompt, prompt_param or "messages")
+
+
+def _generation(
+    runtime: Runtime,
+    body: Body,
+    to_chat: Callable[[Body], ChatCompletionRequest],
+    prepare: Callable[[ChatCall[Body]], Prepared],
+    prompt_param: str,
+) -> tuple[ChatCall[Body], Prepared]:
+    call = open_chat(runtime, body, to_chat, prompt_param)
+    return call, prepare(call)
 
 
 def as_chat(body: ChatCompletionRequest) -> ChatCompletionRequest:

@@ -7,17 +7,20 @@ import contextlib
 import json
 import re
 from collections.abc import AsyncGenerator, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from mlxserve.server import json_limits
 from mlxserve.server.errors import InvalidRequest, from_validation_error, invalid_json
 from mlxserve.server.generation import Delta
 from mlxserve.server.protocol import GenerationBody, Usage
 from mlxserve.server.runtime import Runtime
 
 Model = TypeVar("Model", bound=BaseModel)
+P = ParamSpec("P")
+Result = TypeVar("Result")
 BACKEND_HEADER = "X-Mlxserve-Backend"
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by the client
 
@@ -30,8 +33,11 @@ def runtime_of(request: Request) -> Runtime:
 async def parse_body(request: Request, model: type[Model]) -> Model:
     """The JSON body as `model`; every way it can be wrong is a 400 naming the field."""
     raw = await request.body()
+    server = runtime_of(request).settings.server
     try:
-        data = json.loads(raw)
+        data = json_limits.loads(
+            raw, max_depth=server.max_json_depth, max_number_chars=server.max_number_chars
+        )
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid_json(exc) from None
     if not isinstance(data, dict):
@@ -221,6 +227,15 @@ def total_usage(usages: list[Usage]) -> Usage:
 
 def dump(model: BaseModel) -> dict[str, object]:
     return model.model_dump(exclude_none=True)
+
+
+async def off_loop(
+    request: Request, fn: Callable[P, Result], /, *args: P.args, **kwargs: P.kwargs
+) -> Result:
+    """``fn(*args, **kwargs)`` in the runtime's worker threads, not on the event loop
+    (`mlxserve.server.workers`): preparing a request, weighed by its body's size."""
+    size = len(await request.body())  # read already: parse_body's, kept by the request
+    return await runtime_of(request).workers.run(size, fn, *args, **kwargs)
 
 
 def sampling_extra(body: GenerationBody) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from starlette.routing import Route
 from mlxserve.engine.request import TokenLogprob
 from mlxserve.server.choices import fan_out
 from mlxserve.server.codec import Codec
-from mlxserve.server.generation import Delta
+from mlxserve.server.generation import Delta, Generations, Prepared
 from mlxserve.server.logprobs import completion_logprobs
 from mlxserve.server.protocol import Completion, CompletionChoice, CompletionRequest, Usage
 from mlxserve.server.routes.common import (
@@ -22,6 +22,7 @@ from mlxserve.server.routes.common import (
     backend_header,
     collect_choices,
     dump,
+    off_loop,
     parse_body,
     runtime_of,
     sampling_extra,
@@ -32,16 +33,19 @@ from mlxserve.server.routes.common import (
 from mlxserve.server.sse import sse_response
 
 
-async def completions(request: Request) -> Response:
-    runtime = runtime_of(request)
-    body = await parse_body(request, CompletionRequest)
-    generations = runtime.generations
+def _prepare(generations: Generations, body: CompletionRequest) -> Prepared:
+    """The checked generation: tokenizing and checks, in a worker thread (see
+    `mlxserve.server.workers`); a text too long for the context is refused from its
+    size, before it is tokenized."""
     generations.check_model(body.model)
     prompt = body.single_prompt()
-    prompt_ids = runtime.codec.text_ids(prompt) if isinstance(prompt, str) else prompt
+    if isinstance(prompt, str):
+        prompt_ids = generations.prompt_ids(prompt, param="prompt")
+    else:
+        prompt_ids = prompt
     extra = sampling_extra(body)
     extra["logprobs"] = body.logprobs
-    prepared = generations.prepare(
+    return generations.prepare(
         prompt_ids,
         max_tokens=body.max_tokens,
         temperature=body.temperature,
@@ -53,6 +57,13 @@ async def completions(request: Request) -> Response:
         continues_prompt=True,
         extra=extra,
     )
+
+
+async def completions(request: Request) -> Response:
+    runtime = runtime_of(request)
+    body = await parse_body(request, CompletionRequest)
+    generations = runtime.generations
+    prepared = await off_loop(request, _prepare, generations, body)
     meta: dict[str, Any] = {
         "id": f"cmpl-{prepared.request_id}",
         "created": int(time.time()),

@@ -23,9 +23,9 @@ from mlxserve.models.tool_calls import ParsedToolCall
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
 from mlxserve.server.chat_output import Content, Piece, Reasoning
 from mlxserve.server.errors import anthropic_error
-from mlxserve.server.generation import Delta
+from mlxserve.server.generation import Delta, Prepared
 from mlxserve.server.routes.chat import Answer
-from mlxserve.server.routes.chat_call import read_chat
+from mlxserve.server.routes.chat_call import ChatCall, read_chat, read_generation
 from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
@@ -60,12 +60,16 @@ def _tool_block(call: ParsedToolCall) -> dict[str, Any]:
     }
 
 
-async def messages(request: Request) -> Response:
-    call = await read_chat(request, MessagesRequest, to_chat)
+def _prepare(call: ChatCall[MessagesRequest]) -> Prepared:
+    """The route's checks and its generation (in a worker thread: see `read_generation`)."""
     call.refuse_prefill(f"messages.{len(call.body.messages) - 1}.role")
+    return call.prepare()
+
+
+async def messages(request: Request) -> Response:
+    call, prepared = await read_generation(request, MessagesRequest, to_chat, _prepare)
     body, prompt = call.body, call.prompt
     generations = call.runtime.generations
-    prepared = call.prepare()
     message_id = f"msg_{prepared.request_id}"
     answer = Answer(prompt, call.runtime.codec)
     deltas = generations.run(prepared)

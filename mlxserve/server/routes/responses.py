@@ -20,10 +20,10 @@ from starlette.routing import Route
 
 from mlxserve.server.chat_output import Content, Piece, Reasoning
 from mlxserve.server.errors import APIError
-from mlxserve.server.generation import Delta
+from mlxserve.server.generation import Delta, Prepared
 from mlxserve.server.responses_protocol import ResponsesRequest, to_chat
 from mlxserve.server.routes.chat import Answer
-from mlxserve.server.routes.chat_call import read_chat
+from mlxserve.server.routes.chat_call import ChatCall, read_generation
 from mlxserve.server.routes.common import (
     CLIENT_CLOSED,
     ClientGone,
@@ -206,13 +206,19 @@ def _response(
     return response
 
 
-async def responses(request: Request) -> Response:
-    call = await read_chat(request, ResponsesRequest, to_chat)
+def _prepare(call: ChatCall[ResponsesRequest]) -> Prepared:
+    """The route's checks and its generation (in a worker thread: see `read_generation`)."""
     given = call.body.input
     call.refuse_prefill(f"input.{len(given) - 1}" if isinstance(given, list) else "input")
+    return call.prepare(limit_param="max_output_tokens")
+
+
+async def responses(request: Request) -> Response:
+    call, prepared = await read_generation(
+        request, ResponsesRequest, to_chat, _prepare, prompt_param="input"
+    )
     body, prompt = call.body, call.prompt
     generations = call.runtime.generations
-    prepared = call.prepare(limit_param="max_output_tokens", prompt_param="input")
     head: dict[str, Any] = {
         "id": f"resp_{prepared.request_id}",
         "object": "response",
