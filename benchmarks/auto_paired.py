@@ -121,7 +121,7 @@ def main() -> None:
     configure_cuda_graphs()  # as the CLI does, before any device work
 
     from mlxserve.commands.generate import encode_prompt
-    from mlxserve.engine.build import materialize
+    from mlxserve.engine.core.build import materialize
     from mlxserve.models import load
 
     model, tokenizer = load("demo")

@@ -45,17 +45,17 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.adapter import PlainAdapter, PlainState
-from mlxserve.engine.batch import RowBatch
-from mlxserve.engine.build import (
+from mlxserve.engine.core.build import (
     DEFAULT_MTP_DEPTH,
     SPECULATIVE_BATCH,
     SPECULATIVE_BATCH_DEPTH,
     adapter_for,
 )
-from mlxserve.engine.drive import drain
-from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.core.drive import drain
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.runner.adapter import PlainAdapter, PlainState
+from mlxserve.engine.runner.batch import RowBatch
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.models.deepseek_v4.cache import RowCaches
@@ -262,7 +262,7 @@ def main() -> None:
     CLOCK[0] = time.process_time if args.clock == "cpu" else time.perf_counter
     batches = [int(b) for b in args.batches.split(",")]
 
-    from mlxserve.engine.build import materialize
+    from mlxserve.engine.core.build import materialize
     from mlxserve.models import load
 
     model, _ = load("demo")

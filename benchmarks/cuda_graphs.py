@@ -47,9 +47,9 @@ def child(layers: int, trials: int) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from mtp_cost import flash_shaped, host_and_device
 
-    from mlxserve.engine.build import materialize
-    from mlxserve.engine.mtp_adapter import MTPAdapter
-    from mlxserve.engine.round_costs import measure_round_costs
+    from mlxserve.engine.core.build import materialize
+    from mlxserve.engine.spec.costs import measure_round_costs
+    from mlxserve.engine.spec.mtp import MTPAdapter
     from mlxserve.hardware.probe import benchmark_device
     from mlxserve.models import load
 

@@ -16,9 +16,9 @@ import json
 import statistics
 from typing import Any
 
-from mlxserve.engine.drive import run_to_completion
-from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.request import FinishEvent, GenerationRequest
+from mlxserve.engine.core.drive import run_to_completion
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
@@ -88,7 +88,7 @@ def warmed_engines(
     """One engine per depth (no prefix cache), each having run one untimed reply of
     `prompt` (kernels compile on a shape's first use) and then forgotten it, as
     ``mlxserve serve`` forgets its warm-up."""
-    from mlxserve.engine.build import adapter_for
+    from mlxserve.engine.core.build import adapter_for
 
     engines = {
         str(depth): Engine(
@@ -133,7 +133,7 @@ def main() -> None:
     CLOCK[0] = args.clock
 
     from mlxserve.commands.generate import encode_prompt
-    from mlxserve.engine.build import adapter_for, materialize
+    from mlxserve.engine.core.build import adapter_for, materialize
     from mlxserve.models import load
 
     model, tokenizer = load("demo")

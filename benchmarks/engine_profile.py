@@ -43,13 +43,13 @@ from mlxserve.hardware.probe import benchmark_device
 
 #: functions whose cumulative time names an engine phase (file suffix, function)
 PHASES = {
-    "prefill": ("engine/runner.py", "_prefill"),
-    "decode_step": ("engine/runner.py", "_step"),
-    "speculate_alone": ("engine/runner.py", "_speculate"),
-    "speculate_batch": ("engine/runner.py", "_speculate_all"),
-    "mtp_flush": ("engine/batch.py", "flush"),
-    "emit": ("engine/engine.py", "_emit"),
-    "schedule": ("engine/scheduler.py", "next_step"),
+    "prefill": ("engine/runner/runner.py", "_prefill"),
+    "decode_step": ("engine/runner/runner.py", "_step"),
+    "speculate_alone": ("engine/runner/runner.py", "_speculate"),
+    "speculate_batch": ("engine/runner/runner.py", "_speculate_all"),
+    "mtp_flush": ("engine/runner/batch.py", "flush"),
+    "emit": ("engine/core/engine.py", "_emit"),
+    "schedule": ("engine/core/scheduler.py", "next_step"),
 }
 #: MLX calls that block until the device has computed what they read (``async_eval``
 #: only queues on a GPU, but computes the whole graph before it returns on a CPU)
@@ -158,7 +158,7 @@ def main() -> None:
     configure_cuda_graphs()  # as the CLI does, before any device work
     levels = [int(n) for n in args.levels.split(",")]
 
-    from mlxserve.engine.build import materialize
+    from mlxserve.engine.core.build import materialize
     from mlxserve.models import load
 
     model, _ = load("demo")

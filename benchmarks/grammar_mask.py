@@ -40,12 +40,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.build import LoadedModel, adapter_for, grammars_for, materialize
-from mlxserve.engine.drive import run_to_completion
-from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.grammar import Grammars
-from mlxserve.engine.logits import TokenChooser
-from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.build import LoadedModel, adapter_for, grammars_for, materialize
+from mlxserve.engine.core.drive import run_to_completion
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.sample.grammar import Grammars
+from mlxserve.engine.sample.logits import TokenChooser
 
 SCHEMA = {
     "type": "object",

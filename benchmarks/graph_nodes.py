@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly
+from mlxserve.engine.spec.mtp import MTPAdapter, trim_exactly
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.kernels import attention

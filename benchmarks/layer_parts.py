@@ -49,8 +49,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from mtp_cost import flash_shaped
 
-    from mlxserve.engine.mtp_adapter import MTPAdapter, trim_exactly
-    from mlxserve.engine.round_costs import throwaway_state
+    from mlxserve.engine.spec.costs import throwaway_state
+    from mlxserve.engine.spec.mtp import MTPAdapter, trim_exactly
     from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
     from mlxserve.hardware.probe import benchmark_device
     from mlxserve.models.deepseek_v4.hyper_connections import collapse, expand

@@ -44,13 +44,13 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxserve.engine import mtp_adapter
-from mlxserve.engine.adapter import PlainAdapter
-from mlxserve.engine.drive import run_to_completion
-from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.mtp_adapter import MTPAdapter, trim_steps
-from mlxserve.engine.request import GenerationRequest, SamplingParams
-from mlxserve.engine.round_costs import measure_round_costs, throwaway_state
+from mlxserve.engine.core.drive import run_to_completion
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.runner.adapter import PlainAdapter
+from mlxserve.engine.spec import mtp as mtp_adapter
+from mlxserve.engine.spec.costs import measure_round_costs, throwaway_state
+from mlxserve.engine.spec.mtp import MTPAdapter, trim_steps
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.kernels import attention
@@ -82,7 +82,7 @@ def flash_shaped(
     the same."""
     from mlx.nn.layers.quantized import quantize
 
-    from mlxserve.engine.build import materialize
+    from mlxserve.engine.core.build import materialize
     from mlxserve.models.deepseek_v4 import Model, ModelArgs
     from mlxserve.models.deepseek_v4.model import MTPBlock
     from mlxserve.models.demo.build import quantize_experts

@@ -119,7 +119,7 @@ def main() -> None:
     configure_cuda_graphs()
 
     from mlxserve.commands.generate import encode_prompt
-    from mlxserve.engine.build import materialize
+    from mlxserve.engine.core.build import materialize
     from mlxserve.models import load
 
     model, tokenizer = load("demo")

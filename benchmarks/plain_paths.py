@@ -40,11 +40,11 @@ from batch_step import count_primitives
 from engine import PROMPTS, decode_rate, run_one
 from step_hook import Around, Run, around_steps
 
-from mlxserve.engine.batch import new_batch
-from mlxserve.engine.build import adapter_for, materialize
-from mlxserve.engine.depth import DepthChooser, Pick
-from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.request import GenerationRequest
+from mlxserve.engine.core.build import adapter_for, materialize
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.runner.batch import new_batch
+from mlxserve.engine.spec.depth import DepthChooser, Pick
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 

@@ -17,10 +17,10 @@ import json
 
 import mlx.core as mx
 
-from mlxserve.engine.drive import run_until_finished
-from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.mtp_adapter import MTPAdapter
-from mlxserve.engine.request import GenerationRequest
+from mlxserve.engine.core.drive import run_until_finished
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.spec.mtp import MTPAdapter
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.models.demo import load_demo
 

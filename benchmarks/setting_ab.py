@@ -22,8 +22,8 @@ import json
 import statistics
 from collections.abc import Callable
 
-from mlxserve.engine.mtp_adapter import MTPAdapter
-from mlxserve.engine.round_costs import measure_round_costs
+from mlxserve.engine.spec.costs import measure_round_costs
+from mlxserve.engine.spec.mtp import MTPAdapter
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.kernels import attention

@@ -31,8 +31,8 @@ import mlx.core as mx
 from mlx_lm.models.deepseek_v41 import _sinkhorn as loop_sinkhorn
 
 import mlxserve.models.deepseek_v4.hyper_connections as hyper_connections
-from mlxserve.engine.mtp_adapter import MTPAdapter
-from mlxserve.engine.round_costs import measure_round_costs
+from mlxserve.engine.spec.costs import measure_round_costs
+from mlxserve.engine.spec.mtp import MTPAdapter
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.device import on_cpu, on_cuda
 from mlxserve.hardware.probe import benchmark_device

@@ -38,8 +38,8 @@ from batch_step import demo_engine, engine_rate
 from mlx.utils import tree_flatten
 from step_hook import Around, Run, around_steps
 
-from mlxserve.engine import mtp_adapter
-from mlxserve.engine.step_plan import StepPlan
+from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.spec import mtp as mtp_adapter
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
@@ -98,7 +98,7 @@ def main() -> None:
     mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS = args.prefill_queue_every
     configure_cuda_graphs()  # as the CLI does, before any device work
 
-    from mlxserve.engine.build import materialize
+    from mlxserve.engine.core.build import materialize
     from mlxserve.models import load
 
     if args.model == "flash":

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from mlxserve.engine.request import Sampling
+from mlxserve.engine.core.request import Sampling
 
 
 class _Message(BaseModel):

@@ -6,7 +6,7 @@ import uuid
 from typing import Any
 
 from mlxserve.config import Settings
-from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest, SamplingParams
 from mlxserve.errors import UsageError
 from mlxserve.server.stops import TextStream
 
@@ -29,8 +29,8 @@ def run_generate(settings: Settings, args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     # After the checks: the engine brings mlx-lm and transformers (seconds to import),
     # and a bad flag is answered before anything starts.
-    from mlxserve.engine.build import build_engine
-    from mlxserve.engine.drive import run_to_completion
+    from mlxserve.engine.core.build import build_engine
+    from mlxserve.engine.core.drive import run_to_completion
     from mlxserve.policy.build import build_plan
 
     plan, membership = build_plan(settings)

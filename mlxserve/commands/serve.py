@@ -1,7 +1,7 @@
 """`mlxserve serve` (also `mlxserve --config F`): the HTTP front and its engines.
 
 Under `mlx.launch` only rank 0 serves HTTP; every other rank runs a follower that
-executes rank 0's steps on its shard of the model (`mlxserve.engine.follower`).
+executes rank 0's steps on its shard of the model (`mlxserve.engine.process.follower`).
 
 Startup prints what it does (tokenizer, engines, the policy plan, the URL once
 a backend really generates). SIGTERM or Ctrl-C drains: new requests get 503
@@ -45,7 +45,7 @@ def run_serve(settings: Settings) -> int:
     rank = launched_rank()
     if rank is not None and rank > 0 and not settings.cluster.simulate:
         # Tensor parallelism: rank 0 serves the clients, this rank runs its shard.
-        from mlxserve.engine.follower import run_follower
+        from mlxserve.engine.process.follower import run_follower
 
         return run_follower(settings)
 

@@ -4,8 +4,8 @@ Failover is only as good as its tests, and the failures it handles (a wedged
 collective, a dead rank, a failing kernel) cannot be produced on demand. These
 switches produce their observable effects at a precise step instead. They are
 read from the environment in exactly one place, `active_faults`, and armed
-only by the engine process (`mlxserve.engine.process`) and, for the one meant
-for them, by a follower rank (`mlxserve.engine.follower`), each logging a warning
+only by the engine process (`mlxserve.engine.process.loop`) and, for the one meant
+for them, by a follower rank (`mlxserve.engine.process.follower`), each logging a warning
 when any is set. Unset variables mean no fault; production never sets them.
 
 "Step N" is the N-th step plan this process executes (`StepPlan.index`,
@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
-from mlxserve.engine.step_plan import StepPlan
+from mlxserve.engine.core.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Time is counted from when the watchdog first saw the current step in flight
 (or the last progress), never across idle periods: an engine that waited an
 hour for work and then starts a step has a full timeout for that step.
 
-While the engine warms up (`mlxserve.engine.warmup`: its steps compile kernels,
+While the engine warms up (`mlxserve.engine.process.warmup`: its steps compile kernels,
 tens of seconds each on CUDA) a step may take up to `warm_up_timeout_s` instead,
 when that is longer: a bounded allowance, so a group that wedges during the
 warm-up still ends, and serving's steps keep the plan's timeout.
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from mlxserve.engine.step_plan import StepPlan
+from mlxserve.engine.core.step_plan import StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -147,12 +147,12 @@ class Codec:
 
     def grammar_problem(self, grammar: str) -> str | None:
         """Why ``grammar`` cannot be enforced with this tokenizer (None: it can),
-        found as the engine would find it (`mlxserve.engine.grammar.start_problem`),
+        found as the engine would find it (`mlxserve.engine.sample.grammar.start_problem`),
         but before the request is admitted: in the engine it fails the request
         after a slot was taken, inside a step. Thread-safe (requests are prepared
         off the event loop); the first call builds llguidance's tokenizer, about a
         second for a large vocabulary."""
-        from mlxserve.engine.grammar import ll_tokenizer, start_problem
+        from mlxserve.engine.sample.grammar import ll_tokenizer, start_problem
 
         with self._ll_lock:
             if self._ll is None:

@@ -7,7 +7,7 @@ infinite value matches (a ``$ref`` that recurses with no way out, which llguidan
 finds only when generation gets there: `mlxserve.server.schema_values`), and the
 grammar compiles against the model's tokenizer and its first mask is computed, as
 the engine's first step would (`Codec.grammar_problem`). The engine applies them to
-the logits (`mlxserve.engine.grammar`). Three sources:
+the logits (`mlxserve.engine.sample.grammar`). Three sources:
 
 - ``response_format``: ``json_object`` is any JSON object, ``json_schema`` the
   given schema (always enforced, ``strict`` or not: a schema the answer may break

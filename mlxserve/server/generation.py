@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlxserve.engine.request import TokenLogprob
+from mlxserve.engine.core.request import TokenLogprob
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import (
     BackendRejected,

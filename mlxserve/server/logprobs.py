@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlxserve.engine.request import TokenLogprob
+from mlxserve.engine.core.request import TokenLogprob
 from mlxserve.server.codec import Codec
 
 

@@ -11,10 +11,10 @@ import sys
 
 import mlx.core as mx
 
-from mlxserve.engine.build import adapter_for
-from mlxserve.engine.engine import Engine, EngineConfig, RequestStream
-from mlxserve.engine.lockstep import LockstepLeader, follow
-from mlxserve.engine.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.build import adapter_for
+from mlxserve.engine.core.engine import Engine, EngineConfig, RequestStream
+from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.process.lockstep import LockstepLeader, follow
 from mlxserve.models import load, sharded_load
 from tests.engine.drive import collect
 

@@ -14,9 +14,9 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from mlxserve.engine.adapter import PlainState
-from mlxserve.engine.batch import RowBatch
-from mlxserve.engine.build import materialize
+from mlxserve.engine.core.build import materialize
+from mlxserve.engine.runner.adapter import PlainState
+from mlxserve.engine.runner.batch import RowBatch
 from mlxserve.models.deepseek_v4 import Model
 from mlxserve.models.deepseek_v4.cache import LayerCache, RowCaches
 from tests.engine.v4_models import tiny_v4

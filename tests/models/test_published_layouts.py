@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear  # noqa: E402
 
 from mlxserve.config import Settings  # noqa: E402
-from mlxserve.engine.build import speculative_depth  # noqa: E402
+from mlxserve.engine.core.build import speculative_depth  # noqa: E402
 from mlxserve.errors import UsageError  # noqa: E402
 from mlxserve.models.deepseek_v4.memory import weight_bytes  # noqa: E402
 from mlxserve.models.loader import load_model  # noqa: E402

@@ -4,10 +4,10 @@ import threading
 
 import pytest
 
-from mlxserve.engine.adapter import PlainAdapter
-from mlxserve.engine.engine import Engine, EngineConfig
-from mlxserve.engine.request import FinishEvent, GenerationRequest, TokensEvent
-from mlxserve.engine.step_plan import StepPlan
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.runner.adapter import PlainAdapter
 from mlxserve.reliability.faults import (
     CRASH_EXIT_CODE,
     FaultInjector,

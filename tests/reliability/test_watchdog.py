@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from mlxserve.engine.step_plan import StepPlan
+from mlxserve.engine.core.step_plan import StepPlan
 from mlxserve.reliability.watchdog import STALL_EXIT_CODE, Watchdog, format_thread_stacks
 
 STEP = StepPlan(index=7, kind="decode", request_ids=("req-a", "req-b"), num_tokens=1)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxserve.engine.grammar import Grammar, Grammars
+from mlxserve.engine.sample.grammar import Grammar, Grammars
 from mlxserve.server.codec import Codec
 from mlxserve.server.constraints import (
     ToolStyle,

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlxserve.engine.request import TokenLogprob
+from mlxserve.engine.core.request import TokenLogprob
 
 
 class BackendError(Exception):

@@ -39,7 +39,7 @@ from mlxserve.channel.messages import (
     sampling_wire,
 )
 from mlxserve.channel.messages import Tokens as Tokens_
-from mlxserve.engine.request import TokenLogprob
+from mlxserve.engine.core.request import TokenLogprob
 from mlxserve.reliability.hang import EngineStatus, Evidence, HangDetector, LoopPauses
 from mlxserve.server.backends.base import (
     Backend,

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxserve.engine.request import TokenLogprob
+from mlxserve.engine.core.request import TokenLogprob
 from mlxserve.models.tool_calls import ParsedToolCall
 from mlxserve.server.chat_output import ChatOutput, Content, Piece, Reasoning
 from mlxserve.server.chat_prompt import ChatPrompt

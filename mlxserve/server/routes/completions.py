@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxserve.engine.request import TokenLogprob
+from mlxserve.engine.core.request import TokenLogprob
 from mlxserve.server.choices import fan_out
 from mlxserve.server.codec import Codec
 from mlxserve.server.generation import Delta, Generations, Prepared

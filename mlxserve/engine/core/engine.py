@@ -1,0 +1,464 @@
+"""The engine loop: the one thread that owns the model.
+
+Clients call `submit` and `cancel` from any thread; the loop picks them up at
+step boundaries, asks the scheduler for a step plan, runs it, and delivers
+tokens and finish events to each request's stream. `progress` counts finished
+steps, which is what the watchdog watches. Under tensor parallelism rank 0's
+engine has a `LockstepLeader` and the other ranks follow it
+(`mlxserve.engine.process.lockstep`).
+"""
+
+import dataclasses
+import logging
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mlxserve.engine.core.prefix_cache import PrefixCache
+from mlxserve.engine.core.request import (
+    Event,
+    FinishEvent,
+    FinishReason,
+    GenerationRequest,
+    TokensEvent,
+    Usage,
+)
+from mlxserve.engine.core.scheduler import Scheduler
+from mlxserve.engine.core.sequence import Phase, Sequence
+from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.core.step_times import StepTimes
+from mlxserve.engine.runner.adapter import ModelAdapter
+from mlxserve.engine.runner.runner import Runner
+from mlxserve.engine.sample.grammar import Grammars
+from mlxserve.engine.sample.logits import TokenChooser
+from mlxserve.engine.sample.sampling import KeyStream
+from mlxserve.engine.spec.depth import DepthChooser
+from mlxserve.hardware.clock import cost_clock, observed_times_comparable
+
+if TYPE_CHECKING:
+    from mlxserve.engine.process.lockstep import LockstepLeader
+
+log = logging.getLogger(__name__)
+
+StepHook = Callable[[StepPlan], None]
+
+#: The depth of a seeded, sampled request when the engine's depth is automatic.
+SEEDED_DEPTH = 2
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request: GenerationRequest
+    stream: "RequestStream"
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    request_id: str
+
+
+_Message = _Submit | _Cancel | None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_running: int = 8
+    prefill_step: int = 512
+    # 0: off; 1-5: drafts per round; "auto": chosen per round (`mlxserve.engine.spec.depth`)
+    speculative_depth: int | Literal["auto"] = 0
+    prefix_cache_entries: int = 16
+    prefix_cache_bytes: int = 1 << 30
+    # Batched speculation: up to this many requests draft together, at this depth.
+    max_speculative_batch: int = 0
+    batch_speculative_depth: int = 0
+    # The least time any step is allowed (`StepTimes.floor_s`), not only a step on
+    # new shapes: on CUDA 1.25 s, where any new shape compiles, in a step or between
+    # steps, too many to track; 0 where nothing compiles (a CPU, Metal).
+    step_floor_s: float = 0.0
+
+
+class RequestStream:
+    """The events of one request, in order, ending with a `FinishEvent`."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    def put(self, event: Event) -> None:
+        self._events.put(event)
+
+    def get(self, timeout: float | None = None) -> Event:
+        return self._events.get(timeout=timeout)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self._events.get()
+            yield event
+            if isinstance(event, FinishEvent):
+                return
+
+
+def _weights_bytes(adapter: ModelAdapter) -> int:
+    model = getattr(adapter, "model", None)
+    if model is None:
+        return 0
+    arrays = tree_flatten(model.parameters())
+    assert isinstance(arrays, list)
+    return sum(int(array.nbytes) for _, array in arrays)
+
+
+class Engine:
+    def __init__(
+        self,
+        adapter: ModelAdapter,
+        config: EngineConfig,
+        before_step: StepHook | None = None,
+        lockstep: "LockstepLeader | None" = None,
+        grammars: Grammars | None = None,
+    ) -> None:
+        self.adapter = adapter
+        self.grammars = grammars
+        self.lockstep = lockstep
+        self._weights_bytes = _weights_bytes(adapter)
+        self.config = config
+        auto = config.speculative_depth == "auto"
+        wanted = adapter.max_draft_depth if auto else int(config.speculative_depth)
+        self.depth = min(wanted, adapter.max_draft_depth)
+        # Automatic depth: per request and round, from acceptance and measured costs.
+        self.auto = auto and self.depth > 0
+        self.chooser: DepthChooser | None = None
+        cache = None
+        if config.prefix_cache_entries > 0:
+            cache = PrefixCache(adapter, config.prefix_cache_entries, config.prefix_cache_bytes)
+        self.prefix_cache = cache
+        self.runner = Runner(adapter, cache)
+        self.scheduler = Scheduler(
+            config.max_running,
+            config.prefill_step,
+            on_admit=self.runner.attach_state,
+            max_speculative_batch=config.max_speculative_batch,
+            batch_speculative_depth=config.batch_speculative_depth,
+            depth_for=self._depth_for,
+        )
+        self.before_step = before_step
+        self._inbox: queue.SimpleQueue[_Message] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        # Follower ranks: the streams of the mirrored requests still running.
+        self.mirrored: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        # Read by the watchdog from another thread: plain attributes, written only here.
+        self.progress = 0
+        self.current_step: StepPlan | None = None
+        self.step_started_at = 0.0
+        # Set while the engine warms up (`mlxserve.engine.process.warmup`), on a follower
+        # while it runs rank 0's warm-up steps: the watchdog allows such steps longer.
+        self.warming_up = False
+        self.step_times = StepTimes(floor_s=config.step_floor_s)
+        # MLX's peak is reset whenever the engine goes idle (`_idle`): `busy_peak_bytes`
+        # is then the peak of the current busy period, `_serving_peak` the ones before.
+        self._serving_peak = 0
+        self._busy = False
+
+    # -- client side (any thread) ------------------------------------------
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        stream = RequestStream(request.request_id)
+        self._inbox.put(_Submit(request, stream))
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        self._inbox.put(_Cancel(request_id))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="mlxserve-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    # -- the loop (engine thread) --------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not self.run_once(block=True):
+                continue
+
+    def run_once(self, block: bool = False) -> bool:
+        """Take in new work and run at most one step; False when there was nothing to run."""
+        if self.scheduler.idle:
+            self._idle()  # before waiting for work: the next request starts a new period
+        self._drain_inbox(block=block and self.scheduler.idle)
+        plan = self.scheduler.next_step()
+        if plan is None:
+            self._idle()
+            return False
+        self._busy = True
+        self._run(plan)
+        return True
+
+    def forget_warm_up(self) -> None:
+        """Keep nothing of requests run before serving (`mlxserve.engine.process.warmup`) but
+        compiled kernels and the depth calibration: no prefix-cache entries, step
+        times, memory peaks or acceptance and round times. Rank 0 of a tensor-parallel
+        group tells its followers, which forget theirs too (`lockstep.follow`)."""
+        if self.lockstep is not None:
+            self.lockstep.warm_up_over()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.step_times.clear()
+        if self.chooser is not None:
+            self.chooser.forget_observations()
+        self._busy = False
+        self._serving_peak = 0
+        mx.reset_peak_memory()
+
+    def _idle(self) -> None:
+        """Nothing runs: the busy period's peak memory is over (kept in the serving peak)."""
+        if self._busy:
+            self._busy = False
+            self._serving_peak = max(self._serving_peak, int(mx.get_peak_memory()))
+            mx.reset_peak_memory()
+
+    # -- follower ranks (their own loop: `lockstep.follow`) -------------------
+
+    def admit_mirrored(self, request: GenerationRequest) -> None:
+        """Admit a request rank 0 admitted; its events go to `mirrored[request_id]`."""
+        stream = RequestStream(request.request_id)
+        self.mirrored[request.request_id] = stream
+        self._admit(request, stream)
+
+    def cancel_now(self, request_id: str) -> None:
+        self._handle(_Cancel(request_id))
+
+    def run_plan(self, plan: StepPlan) -> None:
+        self._run(plan)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(message)
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, message: _Message) -> None:
+        if isinstance(message, _Submit):
+            request = message.request
+            if self.lockstep is not None and request.sampling.seed is None:
+                # Every rank must draw the same samples: the seed travels with the request.
+                sampling = dataclasses.replace(request.sampling, seed=secrets.randbits(63))
+                request = dataclasses.replace(request, sampling=sampling)
+            if self._admit(request, message.stream) and self.lockstep is not None:
+                self.lockstep.admitted(request)
+        elif isinstance(message, _Cancel):
+            sequence = self.scheduler.find(message.request_id)
+            if sequence is not None:
+                self._finish(sequence, "cancelled")
+                self.scheduler.remove_finished()
+                self.runner.settle()
+                if self.lockstep is not None:
+                    self.lockstep.cancelled(message.request_id)
+
+    def _admit(self, request: GenerationRequest, stream: RequestStream) -> bool:
+        if request.request_id in self._streams:
+            usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=0)
+            error = f"request id {request.request_id!r} is already in flight"
+            stream.put(FinishEvent(request.request_id, "error", usage, None, error))
+            return False
+        auto = self.auto and request.speculative_depth is None
+        depth = self.depth if request.speculative_depth is None else request.speculative_depth
+        if auto and request.sampling.seed is not None and not request.sampling.greedy:
+            # The chosen depths follow timings, and the samples follow the depths: a
+            # seed reproduces its completion only at a fixed depth.
+            auto, depth = False, SEEDED_DEPTH
+        depth = max(0, min(depth, self.adapter.max_draft_depth))
+        chooser = None
+        if request.needs_chooser:
+            try:
+                chooser = self._chooser(request)
+            except ValueError as exc:
+                usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=0)
+                stream.put(FinishEvent(request.request_id, "error", usage, None, str(exc)))
+                return False
+        sequence = Sequence(
+            request=request,
+            keys=KeyStream(request.sampling.seed),
+            depth=depth,
+            auto=auto,
+            chooser=chooser,
+            rollback=self.depth,
+        )
+        sequence.stats.depth = "auto" if auto else depth
+        self._streams[request.request_id] = stream
+        self.scheduler.add(sequence)
+        return True
+
+    def _chooser(self, request: GenerationRequest) -> TokenChooser:
+        grammar = None
+        if request.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer for grammars")
+            grammar = self.grammars.compile(request.grammar)
+        return TokenChooser(request.sampling, grammar, request.grammar_prefix)
+
+    def _calibrate(self) -> DepthChooser:
+        """Time the round's parts once, inside the first speculative step of a request
+        with an automatic depth: under tensor parallelism every rank runs that step, so
+        the calibration's forwards (and their collectives) line up on all ranks."""
+        measure = getattr(self.adapter, "measure_costs", None)
+        assert measure is not None, "an automatic depth needs an adapter with measure_costs"
+        clock = cost_clock()
+        costs = measure(tick=self._count_progress, clock=clock)
+        log.info(
+            "speculative round costs (ms): plain step %.2f, rounds %s",
+            costs.plain * 1e3,
+            {k: round(costs.round(k) * 1e3, 2) for k in range(1, self.depth + 1)},
+        )
+        chooser = DepthChooser(
+            max_depth=self.depth, calibrated=costs, follow_observed=observed_times_comparable()
+        )
+        self.runner.chooser = chooser
+        self.runner.clock = clock
+        self.runner.forget_last_step()
+        return chooser
+
+    def _count_progress(self) -> None:
+        """Work inside a long step (the depth calibration) that watchdogs count as progress."""
+        self.progress += 1
+
+    def _depth_for(self, sequence: Sequence) -> int:
+        """Drafts for the sequence's next round: its fixed depth, or the chooser's pick
+        (before the first calibration, `SEEDED_DEPTH`)."""
+        if not sequence.auto:
+            return sequence.depth
+        if self.chooser is None:
+            return min(SEEDED_DEPTH, sequence.depth)
+        pick = self.chooser.pick(
+            sequence.stats, sequence.plain_streak, sequence.chosen_depth, probes=sequence.probes
+        )
+        if pick.chosen > 0:
+            sequence.probes = 0
+        elif pick.far_probe:
+            sequence.probes += 1
+        sequence.chosen_depth = pick.chosen
+        return min(pick.depth, sequence.depth)
+
+    def _run(self, plan: StepPlan) -> None:
+        sequences = [s for rid in plan.request_ids if (s := self.scheduler.find(rid))]
+        self.current_step = plan
+        self.step_started_at = time.monotonic()
+        calibration_s = 0.0
+        try:
+            if self.lockstep is not None:
+                # Inside the step, so a follower that never answers is a stalled step
+                # for the watchdog, like a forward whose all_sum never completes.
+                self.lockstep.publish(plan, self.warming_up)
+            if self.before_step is not None:
+                self.before_step(plan)
+            if self.chooser is None and plan.kind == "speculate" and any(s.auto for s in sequences):
+                began = time.monotonic()
+                try:
+                    self.chooser = self._calibrate()
+                finally:  # a calibration that fails is not a step's time either
+                    calibration_s = time.monotonic() - began
+            emitted = self.runner.run(plan, sequences)
+        except Exception as exc:  # a failed step fails its requests, not the engine
+            log.exception("step %d (%s) failed", plan.index, plan.kind)
+            for sequence in sequences:
+                self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}")
+            emitted = {}
+        finally:
+            # Not the calibration: it runs once, counts as progress as it goes, and
+            # takes ~100 plain steps (1 s on a CPU); as a speculative step's time it
+            # made the p99 that and the front's hang limit (20 x p99) 20 s, not 3 s.
+            seconds = time.monotonic() - self.step_started_at - calibration_s
+            self.step_times.record(plan, seconds)
+            self.current_step = None
+            self.progress += 1
+        for sequence in sequences:
+            tokens = emitted.get(sequence.request_id)
+            if tokens and sequence.phase is not Phase.FINISHED:
+                self._emit(sequence, tokens)
+        self.scheduler.remove_finished()
+        self.runner.settle()
+        if emitted:
+            # Let the threads that forward these tokens take the GIL now: otherwise
+            # they wait while this thread builds the next step (measured on a 2-core
+            # CPU: the first token reached the socket 0.43 ms after its event at
+            # the median, 0.09 ms with this).
+            time.sleep(0)
+
+    def _emit(self, sequence: Sequence, tokens: list[int]) -> None:
+        stop_ids = sequence.request.stop_token_ids
+        kept: list[int] = []
+        reason: FinishReason | None = None
+        for token in tokens:
+            if token in stop_ids:
+                reason = "stop"
+                break
+            kept.append(token)
+            if len(sequence.generated) + len(kept) >= sequence.request.max_tokens:
+                reason = "length"
+                break
+        sequence.generated.extend(kept)
+        chooser = sequence.chooser
+        if chooser is not None and chooser.grammar is not None and chooser.grammar.finished:
+            reason = reason or "stop"  # the grammar is complete: nothing may follow
+        if kept:
+            logprobs = chooser.take_logprobs(len(tokens)) if chooser is not None else None
+            if logprobs is not None:
+                logprobs = logprobs[: len(kept)]
+            event = TokensEvent(sequence.request_id, tuple(kept), logprobs)
+            self._streams[sequence.request_id].put(event)
+        if reason is not None:
+            self._finish(sequence, reason)
+
+    def _finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        if sequence.phase is Phase.FINISHED:
+            return
+        sequence.phase = Phase.FINISHED
+        sequence.finish_reason = reason
+        cache_bytes = self.runner.release(sequence)
+        sequence.pending = None
+        sequence.state = None
+        usage = Usage(
+            prompt_tokens=len(sequence.prompt),
+            completion_tokens=len(sequence.generated),
+            cached_tokens=sequence.cached_tokens,
+        )
+        speculative = sequence.stats.as_dict() if sequence.depth > 0 else None
+        stream = self._streams.pop(sequence.request_id)
+        busy_peak = int(mx.get_peak_memory())
+        memory = {
+            "active_bytes": int(mx.get_active_memory()),
+            "peak_bytes": max(self._serving_peak, busy_peak),
+            "busy_peak_bytes": busy_peak,
+            "weights_bytes": self._weights_bytes,
+            "cache_bytes": cache_bytes,
+            "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,
+        }
+        self.mirrored.pop(sequence.request_id, None)  # a follower keeps nothing finished
+        stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error, memory))

@@ -1,0 +1,122 @@
+"""Choose the next step: which requests run, and whether it is prefill or decode.
+
+Requests join and leave only between steps. Running requests are capped by
+`max_running`; the rest wait in arrival order. A long prompt is prefilled in
+chunks, and every chunk is followed by a turn for the decoding requests, so
+their streams keep flowing while a new request prefills.
+
+Decoding requests share one decode step: continuous batching (the runner keeps
+the batch across steps). The speculative depth follows the batch size: a
+speculative request alone drafts at its own depth (an automatic one: the depth
+the engine's `depth_for` picks for the round); a small batch of speculative
+requests (up to `max_speculative_batch`) drafts together at
+`batch_speculative_depth`, one `speculate` step for all; a larger batch takes
+plain decode steps, since there the batch already fills the forward, and drafts
+again when it shrinks.
+"""
+
+from collections import deque
+from collections.abc import Callable
+
+from mlxserve.engine.core.sequence import Phase, Sequence
+from mlxserve.engine.core.step_plan import StepPlan
+
+
+class Scheduler:
+    def __init__(
+        self,
+        max_running: int,
+        prefill_step: int,
+        on_admit: Callable[[Sequence], None] | None = None,
+        max_speculative_batch: int = 0,
+        batch_speculative_depth: int = 0,
+        depth_for: Callable[[Sequence], int] | None = None,
+    ) -> None:
+        if max_running < 1 or prefill_step < 1:
+            raise ValueError("max_running and prefill_step must be >= 1")
+        self.max_running = max_running
+        self.prefill_step = prefill_step
+        # Called when a request starts running (the engine attaches its model state).
+        self.on_admit = on_admit
+        # Up to this many decoding requests that all draft speculate together, at
+        # this depth (0: a batch decodes plainly).
+        self.max_speculative_batch = max_speculative_batch
+        self.batch_speculative_depth = batch_speculative_depth
+        # The drafts of a speculative request's next round (default: its fixed depth).
+        self.depth_for = depth_for or (lambda sequence: sequence.depth)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._steps = 0
+        self._decode_turn = 0
+        self._decodes_since_prefill = 0
+
+    def add(self, sequence: Sequence) -> None:
+        self.waiting.append(sequence)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for sequence in (*self.running, *self.waiting):
+            if sequence.request_id == request_id:
+                return sequence
+        return None
+
+    def remove_finished(self) -> list[Sequence]:
+        done = [s for s in (*self.running, *self.waiting) if s.phase is Phase.FINISHED]
+        self.running = [s for s in self.running if s.phase is not Phase.FINISHED]
+        self.waiting = deque(s for s in self.waiting if s.phase is not Phase.FINISHED)
+        return done
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def next_step(self) -> StepPlan | None:
+        self._admit()
+        prefilling = [s for s in self.running if s.phase is Phase.PREFILL]
+        decoding = [s for s in self.running if s.phase is Phase.DECODE]
+        if not prefilling and not decoding:
+            return None
+        # A prefill chunk, then one step for every decoding request, and again.
+        if prefilling and self._decodes_since_prefill >= len(decoding):
+            self._decodes_since_prefill = 0
+            sequence = prefilling[0]
+            if sequence.prompt_remaining > 0:
+                chunk = min(self.prefill_step, sequence.prompt_remaining)
+                return self._plan("prefill", (sequence.request_id,), chunk)
+            # Only the last prompt token is left: the first decode step produces token 1.
+            return self._plan("decode", (sequence.request_id,), 1)
+        together = len(decoding) > 1
+        if together and self._speculate_together(decoding):
+            ids = tuple(s.request_id for s in decoding)
+            self._decodes_since_prefill += len(ids)
+            depth = min(min(s.depth for s in decoding), self.batch_speculative_depth)
+            return self._plan("speculate", ids, depth)
+        plain = tuple(s.request_id for s in decoding if s.depth == 0 or together)
+        turns: list[tuple[str, ...]] = [plain] if plain else []
+        turns += [(s.request_id,) for s in decoding if s.depth > 0 and not together]
+        ids = turns[self._decode_turn % len(turns)]
+        self._decode_turn += 1
+        self._decodes_since_prefill += len(ids)
+        if ids is plain:
+            return self._plan("decode", ids, 1)
+        sequence = next(s for s in decoding if s.request_id == ids[0])
+        return self._plan("speculate", ids, self.depth_for(sequence))
+
+    def _speculate_together(self, decoding: list[Sequence]) -> bool:
+        """Batched speculation: every decoding request drafts, and the batch is small."""
+        return (
+            self.batch_speculative_depth > 0
+            and len(decoding) <= self.max_speculative_batch
+            and all(s.depth > 0 for s in decoding)
+        )
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            sequence = self.waiting.popleft()
+            sequence.phase = Phase.PREFILL
+            if self.on_admit is not None:
+                self.on_admit(sequence)
+            self.running.append(sequence)
+
+    def _plan(self, kind: str, ids: tuple[str, ...], num_tokens: int) -> StepPlan:
+        self._steps += 1
+        return StepPlan(index=self._steps, kind=kind, request_ids=ids, num_tokens=num_tokens)  # type: ignore[arg-type]

@@ -1,0 +1,167 @@
+"""Keep every rank's engine in step with rank 0's, for tensor parallelism.
+
+Under tensor parallelism every rank runs the same forward on its shard, so every
+rank must run the same steps on the same tokens. Rank 0 alone talks to clients:
+before each step it broadcasts what changed since the last one (requests admitted,
+with a concrete seed so sampling agrees; cancellations) and the step plan it chose.
+The other ranks apply the same changes to their own engine, ask their own scheduler
+for the next plan, and check that it is rank 0's: the scheduler is deterministic,
+so a difference means the ranks diverged, and they stop rather than compute
+garbage. Every rank then runs the step; the sharded model's collectives (all_sum)
+make their logits, and so their tokens, identical.
+
+Rank 0's warm-up (`mlxserve.engine.process.warmup`) runs through this path too, so every
+rank compiles the same kernels and calibrates the automatic depth in the same
+step. Its steps are marked (`warm_up`): a follower's watchdog then allows them the
+warm-up's time. The first step after it says the warm-up is over
+(`warm_up_over`), and the followers forget it as rank 0 did, before that step's
+admissions: a prefix-cache entry kept on one rank only would change its plans.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxserve.channel.messages import Generate, sampling_wire
+from mlxserve.cluster.broadcast import broadcast_bytes
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.process.socket_end import to_request
+
+log = logging.getLogger(__name__)
+
+
+class Diverged(RuntimeError):
+    """A follower's scheduler chose a different step than rank 0's."""
+
+
+def as_generate(request: GenerationRequest) -> Generate:
+    """A request in the engine channel's wire form, which ``to_request`` reads back."""
+    return Generate(
+        id=request.request_id,
+        prompt_ids=list(request.prompt_ids),
+        max_tokens=request.max_tokens,
+        stop_token_ids=sorted(request.stop_token_ids),
+        speculative_depth=request.speculative_depth,
+        **sampling_wire(request.sampling),
+        grammar=request.grammar,
+        grammar_prefix=list(request.grammar_prefix),
+    )
+
+
+@dataclass
+class StepMessage:
+    """What rank 0 broadcasts before a step (or to stop the followers)."""
+
+    submitted: list[GenerationRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    plan: StepPlan | None = None
+    stop: bool = False
+    # The step is one of rank 0's warm-up (it may compile for long).
+    warm_up: bool = False
+    # Rank 0's warm-up is over: forget it before the changes of this message.
+    warm_up_over: bool = False
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "submitted": [as_generate(r).model_dump() for r in self.submitted],
+                "cancelled": self.cancelled,
+                "plan": json.loads(self.plan.to_json()) if self.plan else None,
+                "stop": self.stop,
+                "warm_up": self.warm_up,
+                "warm_up_over": self.warm_up_over,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StepMessage:
+        raw = json.loads(data)
+        plan = StepPlan.from_json(json.dumps(raw["plan"]).encode()) if raw["plan"] else None
+        return cls(
+            submitted=[to_request(Generate.model_validate(r), None) for r in raw["submitted"]],
+            cancelled=[str(c) for c in raw["cancelled"]],
+            plan=plan,
+            stop=bool(raw["stop"]),
+            warm_up=bool(raw["warm_up"]),
+            warm_up_over=bool(raw["warm_up_over"]),
+        )
+
+
+class LockstepLeader:
+    """Rank 0's side: collects the changes of a step and broadcasts them with its plan."""
+
+    def __init__(self, group: Any) -> None:
+        if group.rank() != 0:
+            raise ValueError("the lockstep leader runs on rank 0")
+        self.group = group
+        self._message = StepMessage()
+
+    def admitted(self, request: GenerationRequest) -> None:
+        self._message.submitted.append(request)
+
+    def cancelled(self, request_id: str) -> None:
+        self._message.cancelled.append(request_id)
+
+    def warm_up_over(self) -> None:
+        """Rank 0 forgot its warm-up: the followers will, with the next step."""
+        self._message.warm_up_over = True
+
+    def publish(self, plan: StepPlan, warm_up: bool = False) -> None:
+        """Broadcast the changes since the last step, and ``plan`` (a warm-up's step
+        when ``warm_up``).
+
+        Changes with no step after them (a cancellation that leaves nothing to run,
+        the end of the warm-up) wait for the next step: the scheduler chose nothing
+        in between, so the followers reach the same state by applying them just
+        before it. So the broadcast is always inside a step, which the watchdog sees.
+        """
+        message, self._message = self._message, StepMessage()
+        message.plan = plan
+        message.warm_up = warm_up
+        broadcast_bytes(self.group, message.to_bytes())
+
+    def stop(self) -> None:
+        broadcast_bytes(self.group, StepMessage(stop=True).to_bytes())
+
+
+def follow(engine: Any, group: Any, max_messages: int | None = None) -> int:
+    """A follower rank's loop: mirror rank 0's engine until it says stop.
+
+    Returns the number of steps run. Raises ``Diverged`` when this rank's scheduler
+    disagrees with rank 0's plan. ``engine.warming_up`` follows rank 0's marks, for
+    this rank's watchdog.
+    """
+    steps = 0
+    received = 0
+    warm_up_steps = 0
+    while max_messages is None or received < max_messages:
+        message = StepMessage.from_bytes(broadcast_bytes(group, None))
+        received += 1
+        if message.stop:
+            break
+        if message.warm_up_over:
+            engine.forget_warm_up()
+            log.info("warm-up over (%d steps with rank 0); forgotten, as on rank 0", warm_up_steps)
+        if message.warm_up and not engine.warming_up:
+            log.info("warm-up: following rank 0's")
+        engine.warming_up = message.warm_up
+        warm_up_steps += message.warm_up
+        for request in message.submitted:
+            engine.admit_mirrored(request)
+        for request_id in message.cancelled:
+            engine.cancel_now(request_id)
+        plan = engine.scheduler.next_step()
+        if plan is not None and message.plan is not None and plan.same_step(message.plan):
+            # An automatic depth is chosen from rank 0's timings: its drafts count.
+            plan = message.plan
+        if plan != message.plan:
+            raise Diverged(f"rank {group.rank()} planned {plan}, rank 0 {message.plan}")
+        if plan is not None:
+            engine.run_plan(plan)
+            steps += 1
+    return steps

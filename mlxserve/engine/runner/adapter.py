@@ -1,0 +1,156 @@
+"""The engine's view of a model: per-sequence state, prefill, one logits step, rollback.
+
+Keeping this narrow lets one engine serve any mlx-lm model (`PlainAdapter`)
+and DeepSeek-V4 with its MTP drafter (`mlxserve.engine.spec.mtp`), and
+keeps model-specific cache handling out of the scheduler.
+"""
+
+import copy
+from typing import Any, Protocol
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from mlxserve.kernels.buffers import own_buffers
+
+
+class ModelState(Protocol):
+    """Everything one sequence keeps between steps (caches, carried hidden states)."""
+
+    @property
+    def offset(self) -> int: ...
+
+
+class ModelAdapter(Protocol):
+    #: deepest speculative draft the model supports (0: no drafter)
+    max_draft_depth: int
+
+    def new_state(self, max_rollback: int) -> ModelState: ...
+
+    def prefill(self, state: ModelState, tokens: list[int]) -> None:
+        """Add prompt tokens to the state; no logits are needed for them."""
+
+    def step(self, state: ModelState, tokens: mx.array) -> mx.array:
+        """Add `tokens` ([n], may be lazy) and return the logits [vocab] of the last, lazily."""
+
+    def snapshot(self, state: ModelState) -> ModelState:
+        """An independent copy, for the prefix cache."""
+
+    def compact(self, state: ModelState) -> None:
+        """Give each of the state's arrays a buffer of its own size, in place, before the
+        prefix cache keeps it: an evaluated slice shares its source's whole buffer, so a
+        kept window or a cache grown in steps would pin more than it counts."""
+
+    def nbytes(self, state: ModelState) -> int: ...
+
+
+def _is_compact(cache: Any) -> bool:
+    """A plain KV cache allocated at exactly its length (a copy made by `_compact_copy`)."""
+    keys = getattr(cache, "keys", None)
+    return type(cache) is KVCache and keys is not None and keys.shape[2] == cache.offset
+
+
+def _compact_copy(cache: Any) -> Any:
+    """A copy of `cache`: a plain KV cache at its length, in buffers of its own
+    (`mlxserve.kernels.buffers`); any other cache deep-copied (sharing its buffers)."""
+    keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
+    if type(cache) is not KVCache or keys is None or values is None:
+        return copy.deepcopy(cache)
+    out = KVCache()  # type: ignore[no-untyped-call]
+    out.keys, out.values = own_buffers(
+        [keys[..., : cache.offset, :], values[..., : cache.offset, :]]
+    )
+    out.offset = cache.offset
+    return out
+
+
+def _compacted(cache: Any) -> Any:
+    """`cache` in buffers of its own size: a plain KV cache copied at its length (unless
+    it is), a cache that compacts itself (DeepSeek-V4's) compacted, any other cache's
+    flat list of arrays copied in place."""
+    if type(cache) is KVCache:
+        return cache if cache.keys is None or _is_compact(cache) else _compact_copy(cache)
+    if callable(getattr(cache, "compact", None)):
+        cache.compact()
+        return cache
+    state = getattr(cache, "state", None)
+    if isinstance(state, list | tuple) and all(a is None or isinstance(a, mx.array) for a in state):
+        copies = iter(own_buffers(a for a in state if a is not None))
+        cache.state = [None if a is None else next(copies) for a in state]
+    return cache
+
+
+#: positions a plain KV cache grows by past its reservation (mlx-lm grows by 256)
+GROWTH_STEP = 64
+
+
+class PlainState:
+    def __init__(self, cache: list[Any]) -> None:
+        self.cache = cache
+        # Positions the caches are allocated for at their next growth (``reserve``).
+        self.reserved = 0
+
+    @property
+    def offset(self) -> int:
+        return int(getattr(self.cache[0], "offset", 0)) if self.cache else 0
+
+
+class PlainAdapter:
+    """Any mlx-lm model: its own cache (`make_cache` or mlx-lm's KV caches)."""
+
+    max_draft_depth = 0
+
+    def __init__(self, model: Module) -> None:
+        self.model = model
+
+    def new_state(self, max_rollback: int) -> PlainState:
+        return PlainState(make_prompt_cache(self.model))
+
+    def reserve(self, state: ModelState, positions: int) -> None:
+        """Let the caches hold ``positions`` in all (the prompt) without growing again.
+
+        mlx-lm's ``KVCache`` grows by concatenating: the old and the new buffer live
+        together, and each prefill chunk past the allocation would copy the sequence
+        once more. Reserved, its first growth allocates the whole prompt, and later
+        ones ``GROWTH_STEP`` positions.
+        """
+        assert isinstance(state, PlainState)
+        state.reserved = positions
+
+    def _size_growth(self, state: PlainState) -> None:
+        for cache in state.cache:
+            if type(cache) is KVCache:
+                cache.step = max(GROWTH_STEP, state.reserved - cache.offset)
+
+    def prefill(self, state: ModelState, tokens: list[int]) -> None:
+        assert isinstance(state, PlainState)
+        self._size_growth(state)
+        # The logits are never evaluated: the graph of the cache states leaves out the
+        # head (and the last layer's MLP), so prefill computes no [tokens, vocab] array.
+        self.model(mx.array(tokens)[None], cache=state.cache)
+        mx.eval([c.state for c in state.cache])
+
+    def step(self, state: ModelState, tokens: mx.array) -> mx.array:
+        assert isinstance(state, PlainState)
+        self._size_growth(state)
+        logits: mx.array = self.model(tokens[None], cache=state.cache)
+        return logits[0, -1]
+
+    def snapshot(self, state: ModelState) -> PlainState:
+        """A copy; mlx-lm KV caches are copied at their length, not their allocation
+        (which grows in steps), so a stored prefix costs what it holds."""
+        assert isinstance(state, PlainState)
+        copy = PlainState([_compact_copy(cache) for cache in state.cache])
+        # Evaluated now: a lazy copy would keep the source's buffers alive (and stop
+        # the source's next in-place update, which then copies instead).
+        mx.eval([c.state for c in copy.cache])
+        return copy
+
+    def compact(self, state: ModelState) -> None:
+        assert isinstance(state, PlainState)
+        state.cache = [_compacted(c) for c in state.cache]
+
+    def nbytes(self, state: ModelState) -> int:
+        assert isinstance(state, PlainState)
+        return sum(int(getattr(c, "nbytes", 0)) for c in state.cache)

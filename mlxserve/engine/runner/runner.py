@@ -1,0 +1,512 @@
+"""Run one step plan on the model and turn the result into tokens per request.
+
+Plain decoding is pipelined like `mlx_lm.generate`: the next forward is
+queued (`mx.async_eval`) before the current token is read back, so the host
+and the device overlap. Decoding requests run in decode batches that live
+across steps (`mlxserve.engine.runner.batch`): a request joins its batch when its
+prompt is done (its prefilled state inserted) and leaves it when it finishes
+(`settle`), between any two steps; a step is one forward per batch and no
+copy of the batch. Speculative steps are delegated to the adapter.
+
+A request with a `TokenChooser` (grammar, penalties, logprobs...) decodes in the
+same batches and rounds: its row chooses from the batch's logits once the
+forward is done (a host read, so a batch holding such a row is not pipelined),
+and its speculative rounds verify under its transforms (`engine.draft_choice`).
+"""
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from mlxserve.engine.core.prefix_cache import PrefixCache
+from mlxserve.engine.core.sequence import Phase, Sequence
+from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.runner.adapter import ModelAdapter, ModelState
+from mlxserve.engine.runner.batch import DecodeBatch, can_join, new_batch
+from mlxserve.engine.sample.logits import TokenChooser
+from mlxserve.engine.sample.sampling import sample, token_id
+from mlxserve.engine.spec.depth import DepthChooser
+
+log = logging.getLogger(__name__)
+
+#: finish reasons after which a request's final state is worth keeping for reuse
+_REUSABLE = ("stop", "length")
+
+
+@dataclass
+class _Batch:
+    """A decode batch and the sequences of its rows, in row order."""
+
+    state: DecodeBatch
+    rows: list[Sequence]
+    # The next input token of every row ([B], lazy) while membership is unchanged.
+    tokens: mx.array | None = None
+
+
+class Runner:
+    def __init__(self, adapter: ModelAdapter, prefix_cache: PrefixCache | None) -> None:
+        self.adapter = adapter
+        self.prefix_cache = prefix_cache
+        self.batches: list[_Batch] = []
+        self._batch_of: dict[str, _Batch] = {}
+        # Set by the engine when a request chooses its depth per round, with the
+        # clock that times rounds on this device (`mlxserve.hardware.clock`).
+        self.chooser: DepthChooser | None = None
+        # Requests given a state and not yet released: the rows a batch may soon hold.
+        self._live: set[str] = set()
+        self.clock: Callable[[], float] = time.perf_counter
+        # The requests of the last decode or speculative step and when it ended: the
+        # time until their next step starts is the engine's own, which the chooser
+        # adds to every step's cost (`DepthChooser.overhead`).
+        self._last_step: tuple[tuple[str, ...], float] | None = None
+
+    def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
+        """Execute `plan`; returns the tokens each request emits in this step."""
+        stepping = plan.kind != "prefill"
+        # Taken, not read: a step that fails leaves no start for the next gap.
+        last, self._last_step = self._last_step, None
+        if self.chooser is not None and stepping and last is not None:
+            served, ended = last
+            if served == tuple(plan.request_ids):
+                self.chooser.observe_between(self.clock() - ended)
+        emitted: dict[str, list[int]] = {}
+        if plan.kind == "decode":
+            emitted = self._decode_all(sequences)
+        elif plan.kind == "speculate" and len(sequences) > 1:
+            emitted = self._speculate_all(sequences, plan.num_tokens)
+        for sequence in sequences:
+            if plan.kind == "prefill":
+                self._prefill(sequence, plan.num_tokens)
+            elif plan.kind == "speculate" and len(sequences) == 1:
+                emitted[sequence.request_id] = self._speculate(sequence, plan.num_tokens)
+        for sequence in sequences:
+            sequence.transcript.extend(emitted.get(sequence.request_id, ()))
+        if stepping and self.chooser is not None:  # only an automatic depth reads it
+            self._last_step = (tuple(plan.request_ids), self.clock())
+        return emitted
+
+    def forget_last_step(self) -> None:
+        """The next step starts no gap: what ran since the last one was not the
+        engine's usual work between steps (a calibration, which also changes `clock`)."""
+        self._last_step = None
+
+    @property
+    def batched(self) -> int:
+        """Requests decoding inside a batch now."""
+        return len(self._batch_of)
+
+    def attach_state(self, sequence: Sequence) -> None:
+        """Give a starting request its model state: a prefix-cache hit or a fresh one."""
+        if sequence.state is not None:
+            return
+        self._live.add(sequence.request_id)
+        hit = self.prefix_cache.lookup(sequence.prompt) if self.prefix_cache else None
+        if hit is not None:
+            sequence.state, sequence.prefilled = hit
+            sequence.cached_tokens = sequence.prefilled
+        else:
+            margin = max(sequence.depth, sequence.rollback)
+            sequence.state = self.adapter.new_state(max_rollback=margin)
+        reserve = getattr(self.adapter, "reserve", None)
+        if reserve is not None:
+            # The prompt's caches are allocated once, for the whole prompt.
+            reserve(sequence.state, len(sequence.prompt))
+
+    def settle(self) -> None:
+        """Take finished (or cancelled) requests out of their batches, between steps.
+
+        A request that finished normally leaves its final state to the prefix cache
+        (the prompt and every token it generated): the next turn of a conversation,
+        whose prompt extends this one's with the answer, starts from it.
+        """
+        for batch in list(self.batches):
+            gone = [i for i, s in enumerate(batch.rows) if s.phase is Phase.FINISHED]
+            if gone:
+                self._remove(batch, gone, finished=True)
+
+    def release(self, sequence: Sequence) -> int:
+        """A request finished: its share of the cache bytes; outside any batch, its
+        final state is kept for reuse now (batched rows leave in ``settle``)."""
+        self._live.discard(sequence.request_id)
+        if self._last_step is not None and sequence.request_id in self._last_step[0]:
+            # The same id may come back later (a caller's own ids, a prefix-cache hit
+            # that needs no prefill): the wait in between is not the engine's.
+            self._last_step = None
+        batch = self._batch_of.get(sequence.request_id)
+        if batch is not None:
+            return batch.state.nbytes() // max(len(batch.rows), 1)
+        if sequence.state is None:
+            return 0
+        nbytes = self.adapter.nbytes(sequence.state)
+        if self.prefix_cache is not None and sequence.finish_reason in _REUSABLE:
+            self._keep_final(sequence, sequence.state)
+        return nbytes
+
+    # -- prefill -------------------------------------------------------------
+
+    def _prefill(self, sequence: Sequence, count: int) -> None:
+        assert sequence.state is not None
+        count = min(count, sequence.prompt_remaining)
+        start = sequence.prefilled
+        self.adapter.prefill(sequence.state, list(sequence.prompt[start : start + count]))
+        sequence.prefilled += count
+
+    def _first_logits(self, sequence: Sequence) -> mx.array:
+        """Run the last prompt token; the state is stored for prefix reuse just before."""
+        assert sequence.state is not None
+        if self.prefix_cache is not None and sequence.prefilled > sequence.cached_tokens:
+            self.prefix_cache.store(sequence.prompt[: sequence.prefilled], sequence.state)
+        sequence.phase = Phase.DECODE
+        return self.adapter.step(sequence.state, mx.array(sequence.prompt[-1:]))
+
+    # -- decode ----------------------------------------------------------------
+
+    def _decode(self, sequence: Sequence) -> list[int]:
+        """One request's own decode step (its first token, or no batch fits it)."""
+        if sequence.chooser is not None:
+            return self._choose(sequence, sequence.chooser)
+        params = sequence.request.sampling
+        first: int | None = None
+        if sequence.pending is None:
+            sequence.pending = sample(self._first_logits(sequence), params, sequence.keys.next())
+            # Read at once: on a CPU `async_eval` computes the whole graph before it
+            # returns, so queuing the next forward first would hold the first token
+            # back by a step (TTFT). That forward is built below but left lazy.
+            first = token_id(sequence.pending)
+            if sequence.depth > 0:
+                # Speculative requests take their first token plainly, then draft.
+                sequence.pending = None
+                return [first]
+        assert sequence.state is not None
+        current = sequence.pending
+        if sequence.budget > 1:
+            logits = self.adapter.step(sequence.state, current.reshape(1))
+            sequence.pending = sample(logits, params, sequence.keys.next())
+            if first is None:
+                mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+        else:
+            sequence.pending = None
+        return [token_id(current) if first is None else first]
+
+    def _choose(self, sequence: Sequence, chooser: TokenChooser) -> list[int]:
+        """A step without pipelining: the chooser reads each token before the next."""
+        if not sequence.transcript:
+            logits = self._first_logits(sequence)
+        else:
+            assert sequence.state is not None
+            logits = self.adapter.step(sequence.state, mx.array(sequence.transcript[-1:]))
+        return [chooser.choose(logits, sequence.keys.next(), sequence.budget)]
+
+    def _decode_all(self, sequences: list[Sequence]) -> dict[str, list[int]]:
+        """Requests in steady decoding join a batch and every batch takes one step."""
+        emitted: dict[str, list[int]] = {}
+        named = self._leave_unnamed(sequences)
+        for sequence in sequences:
+            if sequence.request_id in self._batch_of:
+                continue
+            if self._ready(sequence) and self._enter(sequence):
+                continue
+            if sequence.depth > 0 and sequence.generated:
+                emitted[sequence.request_id] = self._speculate(sequence, sequence.depth)
+            else:
+                emitted[sequence.request_id] = self._decode(sequence)
+        stepping = [b for b in self.batches if any(s.request_id in named for s in b.rows)]
+        for batch in stepping:
+            self._step(batch, emitted)
+        return emitted
+
+    @staticmethod
+    def _ready(sequence: Sequence) -> bool:
+        """Past its first token, with its next input known: it may decode in a batch."""
+        if sequence.state is None or sequence.phase is not Phase.DECODE:
+            return False
+        if sequence.chooser is not None:
+            # It chose its tokens as they came: its next input is its last one.
+            return bool(sequence.generated)
+        if sequence.depth == 0:
+            return sequence.pending is not None and sequence.budget > 1
+        return sequence.pending is not None or bool(sequence.generated)
+
+    def _enter(self, sequence: Sequence) -> bool:
+        """Put the sequence in a batch that fits it, or a new one; False if none can."""
+        state = sequence.state
+        assert state is not None
+        # Rows a batch may soon hold (it may allocate them at once): its own and the
+        # requests running outside any batch, this one included.
+        unbatched = len(self._live) - len(self._batch_of)
+        try:
+            for batch in self.batches:
+                if can_join(batch.state, state) and batch.state.fits(state):
+                    self._materialize(batch)
+                    expected = len(batch.rows) + unbatched
+                    batch.state.join([state], [sequence.budget], expected)
+                    break
+            else:
+                created = new_batch(self.adapter, [state], [sequence.budget], unbatched)
+                if created is None:
+                    return False
+                batch = _Batch(created, [])
+                self.batches.append(batch)
+        except Exception:
+            # The sequence decodes on its own; a failure stays with the request causing it.
+            log.exception("request %s cannot join a decode batch", sequence.request_id)
+            return False
+        batch.rows.append(sequence)
+        self._batch_of[sequence.request_id] = batch
+        # The batch holds the row now; the single-sequence state is not kept twice.
+        sequence.state = None
+        return True
+
+    def _step(self, batch: _Batch, emitted: dict[str, list[int]]) -> None:
+        rows = batch.rows
+        emits: list[bool] | None = None
+        if batch.tokens is None:
+            # Rows that joined with their next token sampled emit it now; speculative
+            # rows joined with their last emitted token, not yet in their caches.
+            emits = [s.pending is not None for s in rows]
+            inputs = mx.concatenate(
+                [
+                    s.pending.reshape(1).astype(mx.int32)
+                    if s.pending is not None
+                    else mx.array(s.generated[-1:], dtype=mx.int32)
+                    for s in rows
+                ]
+            )
+            for sequence in rows:
+                sequence.pending = None
+        else:
+            inputs = batch.tokens
+        logits = batch.state.step(inputs)
+        chosen = self._choose_rows(rows, logits)
+        following = self._sample(rows, logits, chosen).astype(mx.int32)
+        mx.async_eval(following)  # type: ignore[no-untyped-call]
+        values = inputs.tolist()
+        assert isinstance(values, list)
+        for index, sequence in enumerate(rows):
+            if index in chosen:
+                # Chosen now and emitted now; fed next step (and not emitted again).
+                emitted[sequence.request_id] = [chosen[index]]
+            elif emits is None or emits[index]:
+                emitted[sequence.request_id] = [int(values[index])]  # type: ignore[arg-type]
+            if sequence.depth > 0:  # a speculative request's plain step, for depths_chosen
+                sequence.stats.count_step(0)
+        batch.tokens = following
+
+    @staticmethod
+    def _choose_rows(rows: list[Sequence], logits: mx.array) -> dict[int, int]:
+        """The rows with a `TokenChooser` choose from the batch's logits [B, V], in row
+        order, each with its own key and budget, as alone. This reads the logits back
+        (the grammar and the penalties need each token as a number), so the step whose
+        batch holds such a row is not pipelined: its forward finishes before the next
+        one is queued."""
+        return {
+            index: sequence.chooser.choose(logits[index], sequence.keys.next(), sequence.budget)
+            for index, sequence in enumerate(rows)
+            if sequence.chooser is not None
+        }
+
+    @staticmethod
+    def _sample(
+        rows: list[Sequence], logits: mx.array, chosen: dict[int, int] | None = None
+    ) -> mx.array:
+        """Each row's next token, lazily: sampled, or the one its chooser took."""
+        chosen = chosen or {}
+        if all(s.request.sampling.greedy for i, s in enumerate(rows) if i not in chosen):
+            tokens = mx.argmax(logits, axis=-1)
+            if not chosen:
+                return tokens
+            picked = mx.array([chosen.get(i, 0) for i in range(len(rows))], dtype=tokens.dtype)
+            where = mx.array([i in chosen for i in range(len(rows))])
+            return mx.where(where, picked, tokens)
+        return mx.stack(
+            [
+                mx.array(chosen[i], dtype=mx.uint32)
+                if i in chosen
+                else sample(logits[i], s.request.sampling, s.keys.next())
+                for i, s in enumerate(rows)
+            ]
+        )
+
+    def _materialize(self, batch: _Batch) -> None:
+        """Give each row its own next token back, before the membership changes."""
+        if batch.tokens is not None:
+            for index, sequence in enumerate(batch.rows):
+                if sequence.chooser is None:  # a chooser's next input was emitted already
+                    sequence.pending = batch.tokens[index]
+            batch.tokens = None
+
+    def _leave_unnamed(self, sequences: list[Sequence]) -> set[str]:
+        """The ids of `sequences`, the rows this step runs. Rows it does not run must
+        not advance: they leave their batches and go on alone (a batch none of whose
+        rows is named is left as it is)."""
+        named = {s.request_id for s in sequences}
+        for batch in list(self.batches):
+            stray = [i for i, s in enumerate(batch.rows) if s.request_id not in named]
+            if stray and len(stray) < len(batch.rows):
+                self._remove(batch, stray, finished=False)
+        return named
+
+    def _remove(self, batch: _Batch, indices: list[int], finished: bool) -> None:
+        """Rows leave: finished ones to the prefix cache, others with their own state."""
+        self._materialize(batch)
+        for index in indices:
+            sequence = batch.rows[index]
+            del self._batch_of[sequence.request_id]
+            if not finished:
+                sequence.state = batch.state.row_state(index)
+            elif self.prefix_cache is not None and sequence.finish_reason in _REUSABLE:
+                self._keep_final(sequence, batch.state.row_state(index))
+        keep = [i for i in range(len(batch.rows)) if i not in set(indices)]
+        if keep:
+            batch.state.keep(keep)
+            batch.rows = [batch.rows[i] for i in keep]
+        else:
+            self.batches.remove(batch)
+
+    def _keep_final(self, sequence: Sequence, state: ModelState) -> None:
+        assert self.prefix_cache is not None
+        tokens = (*sequence.prompt, *sequence.transcript)[: state.offset]
+        if len(tokens) == state.offset and len(tokens) > sequence.prefilled:
+            self.prefix_cache.store(tokens, state, owned=True)
+
+    # -- speculate -------------------------------------------------------------
+
+    def _speculate_all(self, sequences: list[Sequence], depth: int) -> dict[str, list[int]]:
+        """One speculative round for several requests: drafts and verify batched.
+
+        Every request enters (or stays in) a batch; a batch whose rows can draft
+        together (``speculate``) runs one round for all of them, anything else falls
+        back to a request's own round.
+        """
+        emitted: dict[str, list[int]] = {}
+        named = self._leave_unnamed(sequences)
+        for sequence in sequences:
+            if sequence.request_id not in self._batch_of and not (
+                self._ready(sequence) and self._enter(sequence)
+            ):
+                emitted[sequence.request_id] = self._speculate(sequence, depth)
+        for batch in [b for b in self.batches if any(s.request_id in named for s in b.rows)]:
+            drafter = getattr(batch.state, "speculate", None)
+            rows = batch.rows
+            self._materialize(batch)
+            # A row arriving from plain batched decoding emits its sampled token now.
+            head = {
+                s.request_id: [token_id(s.pending)] if s.pending is not None else [] for s in rows
+            }
+            for sequence in rows:
+                sequence.pending = None
+            room = min(s.budget - 1 - len(head[s.request_id]) for s in rows)
+            round_depth = min(depth, room)
+            if drafter is None or round_depth <= 0:
+                self._plain_round(batch, head, emitted)
+                continue
+            last = [(head[s.request_id] or s.generated)[-1] for s in rows]
+            params = [s.request.sampling for s in rows]
+            keys = [s.keys for s in rows]
+            if any(s.chooser is not None for s in rows):
+                choosers = [s.chooser for s in rows]
+                budgets = [s.budget - len(head[s.request_id]) for s in rows]
+                tokens = drafter(last, round_depth, params, keys, choosers, budgets)
+            else:
+                tokens = drafter(last, round_depth, params, keys)
+            for sequence, row_tokens in zip(rows, tokens, strict=True):
+                sequence.stats.record(round_depth, len(row_tokens) - 1)
+                emitted[sequence.request_id] = [*head[sequence.request_id], *row_tokens]
+        return emitted
+
+    def _plain_round(
+        self, batch: _Batch, head: dict[str, list[int]], emitted: dict[str, list[int]]
+    ) -> None:
+        """No room to draft: one plain step, emitting its tokens at once (speculative
+        rows keep their next input as the last emitted token)."""
+        rows = batch.rows
+        last = [(head[s.request_id] or s.generated)[-1] for s in rows]
+        logits = batch.state.step(mx.array(last, dtype=mx.int32))
+        following = self._sample(rows, logits, self._choose_rows(rows, logits))
+        values = following.tolist()
+        assert isinstance(values, list)
+        for sequence, value in zip(rows, values, strict=True):
+            emitted[sequence.request_id] = [*head[sequence.request_id], int(value)]  # type: ignore[arg-type]
+
+    def _speculate(self, sequence: Sequence, depth: int) -> list[int]:
+        """A round at `depth` drafts; with an automatic depth, 0 is a pipelined plain step.
+
+        Plain steps leave the next token pending (sampled, not yet read); a round
+        that follows them reads it first and drafts after it. A request that was in a
+        decode batch leaves it here (alone again), with its next token pending.
+        """
+        batch = self._batch_of.get(sequence.request_id)
+        from_batch = batch is not None
+        if batch is not None:
+            self._remove(batch, [batch.rows.index(sequence)], finished=False)
+        assert sequence.state is not None and (sequence.generated or sequence.pending is not None)
+        if sequence.chooser is not None:
+            return self._speculate_chosen(sequence, sequence.chooser, depth)
+        drafter = getattr(self.adapter, "speculate", None)
+        if depth <= 0 or drafter is None:
+            started = self.clock()
+            if sequence.pending is None:
+                logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
+                sequence.pending = sample(logits, sequence.request.sampling, sequence.keys.next())
+                mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+                clean = False
+            else:
+                clean = not from_batch
+            tokens = self._decode(sequence)
+            sequence.stats.count_step(0)
+            sequence.plain_streak += 1
+            if clean and sequence.pending is not None:
+                self._observe(0, self.clock() - started)
+            return tokens
+        first: list[int] = []
+        if sequence.pending is not None:
+            first = [token_id(sequence.pending)]
+            sequence.pending = None
+        last = first[-1] if first else sequence.generated[-1]
+        depth = min(depth, sequence.budget - len(first) - 1)
+        if depth <= 0:
+            if sequence.budget - len(first) <= 0:
+                return first
+            logits = self.adapter.step(sequence.state, mx.array([last]))
+            token = sample(logits, sequence.request.sampling, sequence.keys.next())
+            return [*first, token_id(token)]
+        started = self.clock()
+        tokens, drafted, accepted = drafter(
+            sequence.state, last, depth, sequence.request.sampling, sequence.keys
+        )
+        if not first:
+            # After plain steps the first draft also folds their MTP entries in: a
+            # dearer round than the steady ones, so it is not timed.
+            self._observe(depth, self.clock() - started)
+        sequence.stats.record(drafted, accepted)
+        sequence.plain_streak = 0
+        if self.chooser is not None:
+            self.chooser.record(drafted, accepted)
+        return [*first, *tokens]
+
+    def _speculate_chosen(self, sequence: Sequence, chooser: TokenChooser, depth: int) -> list[int]:
+        """`_speculate` for a request with a chooser: a round under its transforms
+        (`MTPAdapter.speculate_chosen`), or one unpipelined step. Its rounds are not timed
+        for the automatic depth: the grammar's masks make them dearer than others."""
+        assert sequence.state is not None
+        drafter = getattr(self.adapter, "speculate_chosen", None)
+        depth = min(depth, sequence.budget - 1)
+        if depth <= 0 or drafter is None:
+            sequence.stats.count_step(0)
+            sequence.plain_streak += 1
+            return self._choose(sequence, chooser)
+        tokens, drafted, accepted = drafter(
+            sequence.state, sequence.generated[-1], depth, chooser, sequence.keys, sequence.budget
+        )
+        sequence.stats.record(drafted, accepted)
+        sequence.plain_streak = 0
+        if self.chooser is not None:
+            self.chooser.record(drafted, accepted)
+        return list(tokens)
+
+    def _observe(self, depth: int, seconds: float) -> None:
+        if self.chooser is not None:
+            self.chooser.observe(depth, seconds)

@@ -1,0 +1,183 @@
+"""One request's token choice when it needs more than temperature and top_p.
+
+The order is fixed: logit processors (``logit_bias``, repetition, presence and
+frequency penalties: mlx-lm's) change the logits; the grammar's mask removes the
+tokens it does not allow; the log-softmax of that is what ``logprobs`` report;
+then temperature, min_p, top_k and top_p (mlx-lm's filters) shape the
+distribution the token is drawn from with the request's own random key.
+
+Such requests decode wherever others do. In a decode batch their rows choose
+after the batch's forward, which reads those logits back before the next step
+(a batch holding one is not pipelined: `Runner._step`). In a speculative round
+the same transforms make both distributions (`mlxserve.engine.spec.draft_choice`):
+the drafts are drawn from the transformed draft logits, and each verified
+position's target is the transformed main logits, with the history extended by
+the drafts before it and the grammar in its state after them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+
+from mlxserve.engine.core.request import SamplingParams, TokenLogprob
+from mlxserve.engine.sample.grammar import Grammar
+from mlxserve.engine.sample.sampling import token_id
+
+#: How many recent tokens the penalties look at (mlx-lm's default is 20; OpenAI's
+#: penalties count the whole answer, so the window is wide).
+PENALTY_CONTEXT = 1024
+
+
+#: The last tokens of a grammar's budget, in which closing tokens are preferred.
+CLOSING_WINDOW = 16
+
+#: What a token the mask or a filter removed reports (JSON has no -inf), as vLLM does.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+class TokenChooser:
+    def __init__(
+        self, params: SamplingParams, grammar: Grammar | None, history: tuple[int, ...] = ()
+    ) -> None:
+        self.params = params
+        self.grammar = grammar
+        bias = dict(params.logit_bias) or None
+        self._processors = make_logits_processors(
+            logit_bias=bias,
+            repetition_penalty=params.repetition_penalty
+            if params.repetition_penalty != 1
+            else None,
+            repetition_context_size=PENALTY_CONTEXT,
+            presence_penalty=params.presence_penalty or None,
+            presence_context_size=PENALTY_CONTEXT,
+            frequency_penalty=params.frequency_penalty or None,
+            frequency_context_size=PENALTY_CONTEXT,
+        )
+        # The answer's tokens the penalties count: a resumed request's earlier ones too.
+        self.history: list[int] = list(history)
+        #: Log-probabilities of the tokens chosen since the engine last took them.
+        self.logprobs: list[TokenLogprob] = []
+        if grammar is not None:
+            grammar.accept_all(list(history))
+
+    def choose(self, logits: mx.array, key: mx.array, remaining: int | None = None) -> int:
+        """The next token from ``logits`` ([vocab]); records it (grammar, history, logprobs).
+
+        ``remaining``: tokens left in the request's budget (see `allowed`).
+        """
+        logprobs = self.target(logits, self.recent(), self.allowed(remaining))
+        token = token_id(self.draw(logprobs, key)[0])
+        self.commit([token], logprobs)
+        return token
+
+    def recent(self, drafts: Sequence[mx.array | int] = ()) -> mx.array:
+        """The tokens the penalties count: the answer's last ones, then ``drafts`` (ints,
+        or lazy tokens of a speculative round). Empty when no processor reads them."""
+        if not self._processors:
+            return mx.array([], dtype=mx.int32)
+        parts = [mx.array(self.history[-PENALTY_CONTEXT:], dtype=mx.int32)]
+        for draft in drafts:
+            parts.append(
+                draft.reshape(1).astype(mx.int32)
+                if isinstance(draft, mx.array)
+                else mx.array([draft], dtype=mx.int32)
+            )
+        return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def target(self, logits: mx.array, recent: mx.array, allowed: mx.array | None) -> mx.array:
+        """Log-probabilities [1, vocab] after the processors (penalties counting ``recent``)
+        and the mask ``allowed``: what ``logprobs`` report, and greedy's argmax."""
+        scores = logits.astype(mx.float32).reshape(1, -1)
+        for processor in self._processors:
+            scores = processor(recent, scores)
+        if allowed is not None:
+            scores = mx.where(allowed, scores, -math.inf)
+        return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+
+    def allowed(self, remaining: int | None) -> mx.array | None:
+        """[vocab] bool: what the grammar allows next in its current state (None: no grammar).
+
+        ``remaining``: tokens left in the request's budget. In the last `CLOSING_WINDOW`
+        of them a grammar's closing tokens are the only choices wherever the grammar
+        allows one (a quote first: it ends an open string; else ``}``, ``]``), so a JSON
+        answer ends before the budget does. Not where the grammar allows a raw newline:
+        compact JSON never does, free text does (reasoning before the answer, a DSML
+        string parameter), and there quotes would only be noise.
+        """
+        if self.grammar is None:
+            return None
+        allowed = self.grammar.mask()
+        closers = self.grammar.closers
+        if remaining is not None and remaining <= CLOSING_WINDOW and closers is not None:
+            quotes = mx.logical_and(allowed, closers[0])
+            closing = mx.logical_and(allowed, closers[1])
+            free = mx.any(mx.logical_and(allowed, closers[2]))
+            shaped = mx.where(mx.any(quotes), quotes, mx.where(mx.any(closing), closing, allowed))
+            allowed = mx.where(free, allowed, shaped)
+        return allowed
+
+    def weights(self, logprobs: mx.array) -> mx.array:
+        """Log-weights [..., vocab] of the distribution a sampled token is drawn from:
+        temperature, then min_p, top_k and top_p (filtered tokens at -inf)."""
+        params = self.params
+        scaled = logprobs / params.temperature
+        if params.min_p > 0:
+            scaled = apply_min_p(scaled, params.min_p)
+        if 0 < params.top_k < scaled.shape[-1]:
+            scaled = apply_top_k(scaled, params.top_k)
+        if params.top_p < 1:
+            scaled = apply_top_p(scaled, params.top_p)
+        return scaled
+
+    def draw(self, logprobs: mx.array, key: mx.array) -> mx.array:
+        """One token per row of ``logprobs`` (from `target`), lazily."""
+        if self.params.greedy:
+            return mx.argmax(logprobs, axis=-1)
+        return mx.random.categorical(self.weights(logprobs), axis=-1, key=key)
+
+    def commit(self, tokens: list[int], logprobs: mx.array) -> list[int]:
+        """The chosen ``tokens``, in order, with the `target` rows they were chosen from
+        (``logprobs`` [n, vocab]): the grammar reads them, the history and the logprobs
+        record them. Stops after a token that completes the grammar (nothing may follow
+        it); returns the tokens taken."""
+        taken: list[int] = []
+        for row, token in enumerate(tokens):
+            if self.params.logprobs is not None:
+                self.logprobs.append(self._record(logprobs[row], token))
+            if self.grammar is not None:
+                self.grammar.accept(token)
+            self.history.append(token)
+            taken.append(token)
+            if self.grammar is not None and self.grammar.finished:
+                break
+        return taken
+
+    def _record(self, logprobs: mx.array, token: int) -> TokenLogprob:
+        count = self.params.logprobs or 0
+        top: tuple[tuple[int, float], ...] = ()
+        if count:
+            ids = mx.argsort(-logprobs)[:count]
+            values = logprobs[ids].tolist()
+            assert isinstance(values, list)
+            top = tuple(
+                (int(i), _finite(float(v)))  # type: ignore[arg-type]
+                for i, v in zip(ids.tolist(), values, strict=True)  # type: ignore[arg-type]
+            )
+        chosen = logprobs[token].item()
+        assert isinstance(chosen, float)
+        return TokenLogprob(token, _finite(chosen), top)
+
+    def take_logprobs(self, count: int) -> tuple[TokenLogprob, ...] | None:
+        """The records of the next ``count`` emitted tokens (None: none were asked for)."""
+        if self.params.logprobs is None:
+            return None
+        taken, self.logprobs = self.logprobs[:count], self.logprobs[count:]
+        return tuple(taken)

@@ -1,0 +1,88 @@
+"""The engine on a plain mlx-lm model: same tokens as mlx-lm, stops, cancellation."""
+
+import mlx.core as mx
+from mlx.nn.layers.base import Module
+from mlx_lm.generate import generate_step
+
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest, SamplingParams
+from mlxserve.engine.runner.adapter import PlainAdapter
+from tests.engine.drive import run
+
+PROMPT = tuple(range(3, 40))
+
+
+def reference_greedy(model: Module, prompt: tuple[int, ...], n: int) -> list[int]:
+    tokens = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=n):
+        tokens.append(int(token))
+    return tokens
+
+
+def test_greedy_matches_mlx_lm(llama_model: Module) -> None:
+    expected = reference_greedy(llama_model, PROMPT, 24)
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=8))
+    tokens, finish = run(engine, GenerationRequest("a", PROMPT, max_tokens=24))["a"]
+    assert tokens == expected
+    assert finish.finish_reason == "length"
+    assert finish.usage.completion_tokens == 24 and finish.usage.prompt_tokens == len(PROMPT)
+
+
+def test_concurrent_requests_interleave_and_match(llama_model: Module) -> None:
+    other = tuple(range(50, 60))
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=4, max_running=4))
+    results = run(
+        engine,
+        GenerationRequest("a", PROMPT, max_tokens=12),
+        GenerationRequest("b", other, max_tokens=12),
+    )
+    assert results["a"][0] == reference_greedy(llama_model, PROMPT, 12)
+    assert results["b"][0] == reference_greedy(llama_model, other, 12)
+
+
+def test_stop_token_ends_with_stop(llama_model: Module) -> None:
+    expected = reference_greedy(llama_model, PROMPT, 24)
+    stop = expected[5]
+    engine = Engine(PlainAdapter(llama_model), EngineConfig())
+    request = GenerationRequest("a", PROMPT, max_tokens=24, stop_token_ids=frozenset({stop}))
+    tokens, finish = run(engine, request)["a"]
+    assert tokens == expected[: expected.index(stop)]
+    assert finish.finish_reason == "stop"
+
+
+def test_seed_reproduces_sampling(llama_model: Module) -> None:
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(prefix_cache_entries=0))
+    first = run(engine, GenerationRequest("a", PROMPT, 16, sampling))["a"][0]
+    second = run(engine, GenerationRequest("b", PROMPT, 16, sampling))["b"][0]
+    other = run(engine, GenerationRequest("c", PROMPT, 16, SamplingParams(1.0, 0.9, 8)))["c"][0]
+    assert first == second
+    assert first != other
+
+
+def test_cancel_between_steps(llama_model: Module) -> None:
+    engine = Engine(PlainAdapter(llama_model), EngineConfig())
+    stream = engine.submit(GenerationRequest("a", PROMPT, max_tokens=1000))
+    for _ in range(5):
+        engine.run_once()
+    engine.cancel("a")
+    engine.run_once()
+    events = []
+    while not events or not isinstance(events[-1], FinishEvent):
+        events.append(stream.get(timeout=1))
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent) and finish.finish_reason == "cancelled"
+    assert finish.usage.completion_tokens < 10
+    assert engine.scheduler.idle
+
+
+def test_prefix_cache_reuse_gives_identical_output(llama_model: Module) -> None:
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=8))
+    cold, cold_finish = run(engine, GenerationRequest("a", PROMPT, 10))["a"]
+    warm, warm_finish = run(engine, GenerationRequest("b", PROMPT, 10))["b"]
+    longer = (*PROMPT, 5, 6, 7)
+    extended, ext_finish = run(engine, GenerationRequest("c", longer, 10))["c"]
+    assert warm == cold and cold_finish.usage.cached_tokens == 0
+    assert warm_finish.usage.cached_tokens == len(PROMPT) - 1
+    assert ext_finish.usage.cached_tokens == len(PROMPT) - 1
+    assert extended == reference_greedy(llama_model, longer, 10)

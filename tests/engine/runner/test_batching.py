@@ -1,0 +1,196 @@
+"""Continuous batching of plain decoding: one forward for every decoding request.
+
+Requests join the batch when their prompt is done and leave it when they finish or
+are cancelled, between any two steps; the batch lives across steps (its caches are
+extended and filtered, never rebuilt); every request gets exactly the tokens it
+gets alone (greedy) or with the same seed (sampled).
+"""
+
+import itertools
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx.nn.layers.base import Module
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.cache import QuantizedKVCache
+
+from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.runner.adapter import PlainAdapter, PlainState
+from mlxserve.engine.runner.batch import CacheBatch, new_batch
+from mlxserve.engine.runner.ring_cache import RingKVCache
+from tests.engine.core.test_engine_plain import reference_greedy
+from tests.engine.drive import collect, run
+
+PROMPTS = {
+    "a": tuple(range(3, 40)),
+    "b": tuple(range(50, 60)),
+    "c": (7, 8),
+    "d": tuple(i % 90 + 1 for i in range(75)),
+}
+
+
+class BatchSizes:
+    """A ``before_step`` hook recording, per step, the plan and the batches' sizes."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.steps: list[tuple[StepPlan, list[int]]] = []
+
+    def __call__(self, plan: StepPlan) -> None:
+        assert self.engine is not None
+        self.steps.append((plan, [len(b.rows) for b in self.engine.runner.batches]))
+
+    @property
+    def sizes(self) -> list[int]:
+        return [n for _, sizes in self.steps for n in sizes]
+
+
+def engine_with(model: Module, hook: BatchSizes, **config: Any) -> Engine:
+    engine = Engine(PlainAdapter(model), EngineConfig(**config), before_step=hook)
+    hook.engine = engine
+    return engine
+
+
+def test_concurrent_greedy_requests_share_decode_steps(llama_model: Module) -> None:
+    hook = BatchSizes()
+    engine = engine_with(llama_model, hook, prefill_step=16, max_running=4)
+    prompts = {rid: PROMPTS[rid] for rid in ("a", "b", "d")} | {"e": tuple(range(20, 60))}
+    requests = [GenerationRequest(rid, prompt, max_tokens=20) for rid, prompt in prompts.items()]
+    results = run(engine, *requests)
+    for rid, prompt in prompts.items():
+        assert results[rid][0] == reference_greedy(llama_model, prompt, 20), rid
+    assert max(len(plan.request_ids) for plan, _ in hook.steps if plan.kind == "decode") == 4
+    assert max(hook.sizes) == 4
+    assert not engine.runner.batches  # everyone left
+
+
+class Counted:
+    """Counts calls of the batch cache methods that copy the batch: mlx-lm's (merge,
+    extend, filter) and a ring's growth (``_resized``, per layer)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: dict[str, int] = {"merge": 0, "extend": 0, "filter": 0, "_resized": 0}
+        for name in ("merge", "extend", "filter"):
+            original = getattr(mlx_cache.BatchKVCache, name)
+            monkeypatch.setattr(mlx_cache.BatchKVCache, name, self._wrap(name, original))
+        resized = RingKVCache._resized
+        monkeypatch.setattr(RingKVCache, "_resized", self._wrap("_resized", resized))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        counted = self
+
+        if name == "merge":
+
+            def merge(cls: Any, caches: Any) -> Any:
+                counted.calls[name] += 1
+                return original.__func__(cls, caches)
+
+            return classmethod(merge)
+
+        def method(self: Any, *args: Any) -> Any:
+            counted.calls[name] += 1
+            return original(self, *args)
+
+        return method
+
+
+def test_the_batch_lives_across_steps(llama_model: Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows join and leave a ring in place; only a ring outgrowing its rows is copied
+    (once per layer), never a step."""
+    counted = Counted(monkeypatch)
+    hook = BatchSizes()
+    engine = engine_with(llama_model, hook, prefill_step=16, max_running=4)
+    short = engine.submit(GenerationRequest("short", PROMPTS["c"], max_tokens=12))
+    long = engine.submit(GenerationRequest("long", PROMPTS["a"], max_tokens=40))
+    for _ in range(8):
+        engine.run_once()
+    late = GenerationRequest("late", tuple(range(30, 62)), max_tokens=10)
+    cancelled = GenerationRequest("gone", tuple(range(40, 75)), max_tokens=30)
+    late_stream = engine.submit(late)
+    gone_stream = engine.submit(cancelled)
+    for _ in range(200):
+        engine.run_once()
+        gone = engine.scheduler.find("gone")
+        if gone is not None and len(gone.generated) >= 4:
+            break
+    assert 3 in hook.sizes  # "gone" decoded inside the batch before leaving it
+    engine.cancel("gone")
+    for _ in range(500):
+        if not engine.run_once():
+            break
+    collected = {s.request_id: collect(s) for s in (short, long, late_stream, gone_stream)}
+    assert collected["short"][0] == reference_greedy(llama_model, PROMPTS["c"], 12)
+    assert collected["long"][0] == reference_greedy(llama_model, PROMPTS["a"], 40)
+    assert collected["late"][0] == reference_greedy(llama_model, late.prompt_ids, 10)
+    gone_tokens, gone_finish = collected["gone"]
+    assert gone_finish.finish_reason == "cancelled" and len(gone_tokens) >= 4
+    assert gone_tokens == reference_greedy(llama_model, cancelled.prompt_ids, len(gone_tokens))
+
+    batched_steps = sum(1 for _, sizes in hook.steps if sizes)
+    # The ring is made for "short"; it widens when "long" joins (more positions) and
+    # grows taller when "late" joins (more rows): two copies of the ring, one layer
+    # (of 2) at a time. mlx-lm's batch caches are not used.
+    assert counted.calls["_resized"] <= 2 * 2
+    assert counted.calls["merge"] == counted.calls["extend"] == counted.calls["filter"] == 0
+    assert batched_steps >= 40
+
+
+def test_newcomers_prefill_in_chunks_between_decode_steps(llama_model: Module) -> None:
+    hook = BatchSizes()
+    engine = engine_with(llama_model, hook, prefill_step=8, max_running=4)
+    first = engine.submit(GenerationRequest("first", PROMPTS["b"], max_tokens=30))
+    for _ in range(6):
+        engine.run_once()
+    newcomer = GenerationRequest("new", PROMPTS["d"], max_tokens=4)
+    second = engine.submit(newcomer)
+    for _ in range(500):
+        if not engine.run_once():
+            break
+    kinds = [(plan.kind, plan.request_ids) for plan, _ in hook.steps]
+    chunks = [i for i, (kind, ids) in enumerate(kinds) if kind == "prefill" and ids == ("new",)]
+    assert len(chunks) == (len(PROMPTS["d"]) - 1 + 7) // 8  # 74 tokens, 8 per step
+    for a, b in itertools.pairwise(chunks):
+        assert any(kinds[i][0] == "decode" for i in range(a + 1, b)), kinds[a : b + 1]
+    assert collect(first)[0] == reference_greedy(llama_model, PROMPTS["b"], 30)
+    assert collect(second)[0] == reference_greedy(llama_model, PROMPTS["d"], 4)
+
+
+def test_sampled_requests_are_reproducible_in_a_batch(llama_model: Module) -> None:
+    sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
+    alone = run(
+        Engine(PlainAdapter(llama_model), EngineConfig(max_running=1)),
+        GenerationRequest("s", PROMPTS["a"], 16, sampling),
+    )["s"][0]
+    crowd = run(
+        Engine(PlainAdapter(llama_model), EngineConfig(max_running=4)),
+        GenerationRequest("s", PROMPTS["a"], 16, sampling),
+        GenerationRequest("x", PROMPTS["b"], 16, SamplingParams(1.0, 0.9, 3)),
+        GenerationRequest("y", PROMPTS["c"], 16),
+    )["s"][0]
+    assert crowd == alone
+
+
+def test_caches_without_batched_form_decode_one_by_one(llama_model: Module) -> None:
+    adapter = PlainAdapter(llama_model)
+    quantized = PlainState([QuantizedKVCache() for _ in range(2)])
+    assert isinstance(new_batch(adapter, [adapter.new_state(0), adapter.new_state(0)]), CacheBatch)
+    assert new_batch(adapter, [adapter.new_state(0), quantized]) is None
+
+
+def _prefilled(adapter: PlainAdapter, length: int) -> PlainState:
+    state = adapter.new_state(0)
+    adapter.prefill(state, [i % 90 + 1 for i in range(length)])
+    return state
+
+
+def test_a_long_context_does_not_pad_a_batch_of_short_ones(llama_model: Module) -> None:
+    adapter = PlainAdapter(llama_model)
+    batch = new_batch(adapter, [_prefilled(adapter, 100), _prefilled(adapter, 90)])
+    assert batch is not None
+    assert batch.fits(_prefilled(adapter, 120))
+    assert not batch.fits(_prefilled(adapter, 3000))
+    logits = batch.step(mx.array([1, 2]))
+    assert logits.shape == (2, 97)
