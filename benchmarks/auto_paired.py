@@ -1,6 +1,6 @@
 """Automatic depth against fixed depths, paired request by request; prints one JSON document.
 
-`engine.py` compares depths by the median of a few repeats, each a whole reply per
+`depths.py` compares depths by the median of a few repeats, each a whole reply per
 depth. On the H200 single replies of one engine ranged 154-251 tok/s (stop 22), far
 more than the 3 % the targets ask to resolve (`auto` >= 0.97 x depth 0 and >= 0.97 x
 the best fixed depth). This pairs finely instead: each of ``--rounds`` rounds runs
@@ -22,25 +22,46 @@ It also times Python's garbage collections during the timed replies (``gc.callba
 a collection of the oldest generation walks every object the process holds, and a
 pause of that kind lands on one reply and not its pair.
 
+``--observations`` also records every step of ``auto``'s timed replies that its
+depth picker times (`DepthPicker.observe`), per prompt in ``auto_observations``: the
+plain ones grouped by how many plain steps came before them since the request last
+drafted (``streak``) and by round, beside depth 0's time per token in the same
+rounds, so plain steps whose times mislead the picker can be told apart. On an
+H100 (stop 25, `auto_paired_h100_stop25.json`) the picker's windows of timed plain
+steps held medians of 6-10 ms while depth 0 decoded at 3.7-4.1 ms a token. (This
+was `plain_observations.py`, which timed depth 0 before and after ``auto`` rather
+than in the same rounds.)
+
 Run: python benchmarks/auto_paired.py [--tokens 128] [--rounds 12] [--prompts 5]
-[--first-prompt 0] [--depths 0,1,2,3] [--confidence 0.9] [--seed 0]
+[--first-prompt 0] [--depths 0,1,2,3] [--confidence 0.9] [--seed 0] [--observations]
 """
 
 import argparse
+import contextlib
 import gc
 import json
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from engine import PROMPTS, chooser_costs, decode_rate, warmed_engines
+from depths import PROMPTS, decode_rate, picker_costs, warmed_engines
 
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
 TARGET = 0.97
 BOOTSTRAP_SAMPLES = 2000
+#: ``--observations``' streak buckets: (label, lowest streak, highest streak)
+STREAKS = (
+    ("1", 1, 1),
+    ("2", 2, 2),
+    ("3", 3, 3),
+    ("4-7", 4, 7),
+    ("8-31", 8, 31),
+    ("32+", 32, 10**9),
+)
 
 
 def median_interval(
@@ -89,6 +110,77 @@ class CollectionTimer:
         }
 
 
+class Observations:
+    """Every step of an engine's replies that its depth picker times, by round."""
+
+    def __init__(self) -> None:
+        self.round = 0
+        self.records: list[dict[str, Any]] = []
+
+    @contextlib.contextmanager
+    def recording(self, engine: Any) -> Iterator[None]:
+        """Within the block, record each `picker.observe` with the speculative step
+        that made it (the request's plain streak before the step, its length)."""
+        picker, runner = engine.depth_picker, engine.runner
+        observe, speculate = picker.observe, runner._speculate
+        current: dict[str, tuple[int, float]] = {}
+
+        def recording_observe(depth: int, seconds: float) -> None:
+            current["observed"] = (depth, seconds)
+            observe(depth, seconds)
+
+        def recording_speculate(sequence: Any, depth: int) -> Any:
+            current.clear()
+            streak = sequence.plain_streak
+            out = speculate(sequence, depth)
+            if "observed" in current:
+                kind, seconds = current["observed"]
+                self.records.append(
+                    {
+                        "round": self.round,
+                        "depth": kind,
+                        "streak": streak,
+                        "s": seconds,
+                        "at": len(sequence.generated),
+                    }
+                )
+            return out
+
+        picker.observe, runner._speculate = recording_observe, recording_speculate
+        try:
+            yield
+        finally:
+            del picker.observe, runner._speculate
+
+    def report(self, depth0_rates: list[float]) -> dict[str, Any]:
+        plain = [r for r in self.records if r["depth"] == 0]
+        return {
+            "depth0_ms_per_token": [1e3 / rate for rate in depth0_rates],
+            "timed_plain_by_streak": {
+                label: summary([r["s"] for r in plain if low <= r["streak"] <= high])
+                for label, low, high in STREAKS
+            },
+            "timed_plain_by_round": [
+                summary([r["s"] for r in plain if r["round"] == i])
+                for i in range(len(depth0_rates))
+            ],
+            "timed_rounds_by_depth": {
+                str(k): summary([r["s"] for r in self.records if r["depth"] == k])
+                for k in sorted({r["depth"] for r in self.records if r["depth"] > 0})
+            },
+            "plain_trace": [
+                (r["round"], r["at"], r["streak"], round(r["s"] * 1e3, 2)) for r in plain
+            ],
+        }
+
+
+def summary(seconds: list[float]) -> dict[str, Any]:
+    if not seconds:
+        return {"count": 0}
+    ms = sorted(s * 1e3 for s in seconds)
+    return {"count": len(ms), "median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1]}
+
+
 def parse_depths(text: str) -> tuple[int, ...]:
     depths = tuple(int(part) for part in text.split(","))
     if 0 not in depths or any(not 0 <= d <= 5 for d in depths):
@@ -107,6 +199,11 @@ def main() -> None:
     parser.add_argument("--depths", default="0,1,2,3", help="fixed depths beside auto")
     parser.add_argument("--confidence", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--observations",
+        action="store_true",
+        help="record the steps auto's depth picker times (auto_observations)",
+    )
     args = parser.parse_args()
     try:
         depths = parse_depths(args.depths)
@@ -135,13 +232,18 @@ def main() -> None:
         rates: dict[str, list[float]] = {name: [] for name in engines}
         last_reply: dict[str, Any] = {}
         auto_depths: list[dict[str, int]] = []
+        observations = Observations()
         gc.callbacks.append(timer)
         try:
-            for _ in range(args.rounds):
+            for index in range(args.rounds):
+                observations.round = index
                 order = list(engines)
                 rng.shuffle(order)
                 for name in order:
-                    rate, finish = decode_rate(engines[name], ids, args.tokens, 1)
+                    with contextlib.ExitStack() as stack:
+                        if name == "auto" and args.observations:
+                            stack.enter_context(observations.recording(engines[name]))
+                        rate, finish = decode_rate(engines[name], ids, args.tokens, 1)
                     rates[name].append(rate)
                     last_reply[name] = finish.speculative
                     if name == "auto":
@@ -170,9 +272,11 @@ def main() -> None:
                 "auto_last_reply": last_reply["auto"],
                 "auto_depths_per_round": auto_depths,
                 "fixed_last_reply": {str(d): last_reply[str(d)] for d in depths if d},
-                "auto_costs_in_plain_steps": chooser_costs(engines["auto"]),
+                "auto_costs_in_plain_steps": picker_costs(engines["auto"]),
             }
         )
+        if args.observations:
+            prompts[-1]["auto_observations"] = observations.report(rates["0"])
     result = {
         "device": benchmark_device(),
         "tokens": args.tokens,

@@ -45,19 +45,16 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.core.build import (
-    DEFAULT_MTP_DEPTH,
-    SPECULATIVE_BATCH,
-    SPECULATIVE_BATCH_DEPTH,
-    adapter_for,
-)
+from mlxserve.channel.request import GenerationParams
+from mlxserve.engine.core.build import DEFAULT_MTP_DEPTH, adapter_for
 from mlxserve.engine.core.drive import drain
-from mlxserve.engine.core.engine import Engine, EngineConfig
 from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter, PlainState
 from mlxserve.engine.runner.batch import RowBatch
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
+from mlxserve.hardware.tuning import EngineTuning, default_tuning
 from mlxserve.models.deepseek_v4.cache import RowCaches
 
 #: primitives that make a view (or nothing) rather than launch a kernel
@@ -78,7 +75,7 @@ def prefill(adapter: PlainAdapter, batch: int, base: int) -> list[PlainState]:
     for row in range(batch):
         state = adapter.new_state(0)
         adapter.prefill(state, prompt(row, base + 11 * row))
-        states.append(state)  # type: ignore[arg-type]
+        states.append(state)
     return states
 
 
@@ -108,7 +105,7 @@ def count_primitives(outputs: list[mx.array]) -> dict[str, Any]:
     """The primitives in the (unevaluated) graph of ``outputs``."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "step.dot")
-        mx.export_to_dot(path, *outputs)  # type: ignore[attr-defined]
+        mx.export_to_dot(path, *outputs)
         with open(path) as handle:
             labels = [
                 line.split('label ="', 1)[1].split('"', 1)[0]
@@ -171,14 +168,17 @@ def rows_unstacked() -> Iterator[None]:
         setattr(RowBatch, "decode_caches", stacked)  # noqa: B010
 
 
-def demo_engine(model: Any, clients: int) -> Engine:
-    """An engine set up as ``mlxserve serve`` sets one up for the demo (no prefix cache)."""
+def demo_engine(model: Any, clients: int, tuning: EngineTuning | None = None) -> Engine:
+    """An engine set up as ``mlxserve serve`` sets one up for the demo (no prefix cache),
+    with this device's tuning or ``tuning``."""
+    tuning = tuning or default_tuning()
     config = EngineConfig(
         max_running=clients,
         speculative_depth=DEFAULT_MTP_DEPTH,
         prefix_cache_entries=0,
-        max_speculative_batch=SPECULATIVE_BATCH,
-        batch_speculative_depth=SPECULATIVE_BATCH_DEPTH,
+        max_speculative_batch=tuning.speculative_batch,
+        batch_speculative_depth=tuning.speculative_batch_depth,
+        tuning=tuning,
     )
     return Engine(adapter_for(model, DEFAULT_MTP_DEPTH), config)
 
@@ -194,7 +194,9 @@ def engine_rate(
     ``on_finish`` sees every request's finish event."""
     start = CLOCK[0]()
     streams = [
-        engine.submit(GenerationRequest(f"r{i}", tuple(prompt(i, context + 11 * i)), tokens))
+        engine.submit(
+            GenerationRequest(f"r{i}", GenerationParams(tuple(prompt(i, context + 11 * i)), tokens))
+        )
         for i in range(clients)
     ]
     produced, finished = 0, 0
@@ -218,7 +220,7 @@ def engine_scaling(
 ) -> dict[str, Any]:
     """Aggregate tok/s per number of requests, stacked and row by row, interleaved.
 
-    One engine for all: its depth chooser calibrates once, in the untimed warm-up."""
+    One engine for all: its depth picker calibrates once, in the untimed warm-up."""
     engine = demo_engine(model, max(levels))
     for n in levels:  # untimed: calibration, and kernels compile on a shape's first use
         engine_rate(engine, n, 8, context)
@@ -278,7 +280,7 @@ def main() -> None:
     }
     sizes: dict[str, Any] = {}
     for batch in batches:
-        runners = {
+        runners: dict[str, PerRow | Stacked] = {
             "per_row": PerRow(model, prefill(adapter, batch, args.context)),
             "stacked": Stacked(model, prefill(adapter, batch, args.context)),
         }

@@ -98,7 +98,7 @@ def main() -> None:
                 command, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
             )
             failed = {"error": done.stderr[-800:]}
-            entry = json.loads(done.stdout) if done.returncode == 0 else failed
+            entry: dict[str, Any] = json.loads(done.stdout) if done.returncode == 0 else failed
         except subprocess.TimeoutExpired:
             entry = {"error": f"no answer in {args.timeout:.0f} s"}
         entry["env"] = SETTINGS[name]

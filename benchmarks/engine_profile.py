@@ -48,7 +48,7 @@ PHASES = {
     "speculate_alone": ("engine/runner/runner.py", "_speculate"),
     "speculate_batch": ("engine/runner/runner.py", "_speculate_all"),
     "mtp_flush": ("engine/runner/batch.py", "flush"),
-    "emit": ("engine/core/engine.py", "_emit"),
+    "emit": ("engine/core/stepper.py", "_emit"),
     "schedule": ("engine/core/scheduler.py", "next_step"),
 }
 #: MLX calls that block until the device has computed what they read (``async_eval``
@@ -163,7 +163,9 @@ def main() -> None:
 
     model, _ = load("demo")
     materialize(model)
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    parameters = tree_flatten(model.parameters())
+    assert isinstance(parameters, list)
+    weights = sum(v.nbytes for _, v in parameters)
     result: dict[str, Any] = {
         "model": "demo",
         "tokens": args.tokens,

@@ -79,7 +79,8 @@ def non_reader(server: Server, hold_s: float) -> dict[str, Any]:
     )
     began = time.monotonic()
     holder.start()
-    served, failed = 0, []
+    served = 0
+    failed: list[str] = []
     while holder.is_alive() and time.monotonic() - began < hold_s + 60:
         problem = short_request(server.url, served + len(failed))
         if problem is None:
@@ -140,7 +141,7 @@ def main() -> int:
         pausing = paused_front(server, args.pause_s)
     finally:
         server.stop()
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "false_hangs",
         "device": benchmark_device_apart(),
         "non_reading_client": reading,

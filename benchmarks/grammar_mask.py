@@ -36,14 +36,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
+from mlxserve.channel.request import GenerationParams, SamplingParams
 from mlxserve.engine.core.build import LoadedModel, adapter_for, grammars_for, materialize
 from mlxserve.engine.core.drive import run_to_completion
-from mlxserve.engine.core.engine import Engine, EngineConfig
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.sample.grammar import Grammars
 from mlxserve.engine.sample.logits import TokenChooser
 
@@ -98,17 +99,20 @@ def engine_ratio(
         EngineConfig(prefix_cache_entries=0),
         grammars=grammars_for(loaded),
     )
-    stops = frozenset(loaded.tokenizer.eos_token_ids)
+    stops = tuple(loaded.tokenizer.eos_token_ids)
     plain, constrained, answers = [], [], []
     for repeat in range(repeats):
         sampling = SamplingParams(temperature=1.0, seed=repeat)
         done = run_to_completion(
-            engine, GenerationRequest(f"p{repeat}", prompt, tokens, sampling, frozenset())
+            engine, GenerationRequest(f"p{repeat}", GenerationParams(prompt, tokens, sampling, ()))
         )
         plain.append((done.total_s - done.ttft_s) / max(len(done.tokens) - 1, 1))
         done = run_to_completion(
             engine,
-            GenerationRequest(f"g{repeat}", prompt, tokens, sampling, stops, grammar=grammar_text),
+            GenerationRequest(
+                f"g{repeat}",
+                GenerationParams(prompt, tokens, sampling, stops, grammar=grammar_text),
+            ),
         )
         constrained.append((done.total_s - done.ttft_s) / max(len(done.tokens) - 1, 1))
         answers.append(done.tokens)
@@ -175,7 +179,9 @@ def synthetic_tokenizer(vocab: int) -> tuple[Any, dict[str, float]]:
         partial.replace(cache)
         about.write_text(json.dumps(trained))
     info: dict[str, float] = json.loads(about.read_text())
-    fast = PreTrainedTokenizerFast(tokenizer_file=str(cache), eos_token="<eos>")
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_file=str(cache), eos_token="<eos>"
+    )
     return TokenizerWrapper(fast, eos_token_ids=[0]), info
 
 
@@ -197,7 +203,7 @@ def walk_mask_ms(grammars: Grammars, grammar_text: str, tokens: int, walks: int)
             assert allowed is not None
             token = mx.argmax(mx.where(allowed, rows[step % 8], -float("inf")))
             mx.eval(token)
-            grammar.accept(int(token.item()))
+            grammar.accept(cast(int, token.item()))
             times.append((time.perf_counter() - started) * 1e3)
     return statistics.median(times)
 

@@ -27,8 +27,7 @@ import mlx.core as mx
 from mlxserve.engine.spec.mtp import MTPAdapter, trim_exactly
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
-from mlxserve.kernels import attention
-from mlxserve.models.deepseek_v4 import hyper_connections
+from mlxserve.hardware.tuning import default_tuning
 
 VIEWS = frozenset(
     [
@@ -65,12 +64,15 @@ def main() -> None:
         "--masked-attention", action="store_true", help="one masked attention call per forward"
     )
     args = parser.parse_args()
-    hyper_connections.COMPILED = not args.hc_ops
+    tuning = default_tuning()
+    if args.hc_ops:
+        tuning = tuning.replace(compiled_hc_max_rows=0)
     if args.masked_attention:
-        attention.SPLIT_QUERIES = False
+        tuning = tuning.replace(split_attention_queries=False)
     configure_cuda_graphs()
     model = flash_shaped(args.layers, 512, 64, 8192)
     adapter = MTPAdapter(model)
+    adapter.tune(tuning)
     state = adapter.new_state(max_rollback=8)
     adapter.prefill(state, list(range(1, 65)))
     forwards = {}
@@ -94,7 +96,7 @@ def main() -> None:
                 "benchmark": "graph_nodes",
                 "layers": args.layers,
                 "hyper_connections_compiled": not args.hc_ops,
-                "attention_split_per_query": attention.split_queries(2),
+                "attention_split_per_query": tuning.split_attention_queries,
                 "device": benchmark_device(),
                 "forwards": forwards,
             },

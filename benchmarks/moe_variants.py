@@ -58,7 +58,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
@@ -101,7 +101,7 @@ class PerExpertSwitchLinear(QuantizedSwitchLinear):
         if _runs.indices is not indices:
             flat = indices.reshape(-1).astype(mx.int32)
             counts = mx.zeros((experts.num_experts,), dtype=mx.int32).at[flat].add(1)
-            _runs.indices, _runs.counts = indices, [int(c) for c in counts.tolist()]
+            _runs.indices, _runs.counts = indices, cast(list[int], counts.tolist())
         rows = x.reshape(-1, x.shape[-1])
         outs = []
         start = 0
@@ -287,7 +287,7 @@ def mma_rows(indices: mx.array, cfg: Config) -> dict[str, int]:
     counts = mx.zeros((cfg.experts,), dtype=mx.int32).at[flat].add(1)
 
     def rounded(unit: int) -> int:
-        return int(mx.sum((counts + unit - 1) // unit).item()) * unit
+        return cast(int, mx.sum((counts + unit - 1) // unit).item()) * unit
 
     bound = (math.ceil(cfg.rows / ROW_TILE) + min(cfg.experts, cfg.rows)) * ROW_TILE
     return {
@@ -350,7 +350,7 @@ def time_config(
         if reference is None and name == "skip":
             reference = y
         if reference is not None:
-            max_abs_diff[name] = float(mx.max(mx.abs(y - reference)).item())
+            max_abs_diff[name] = cast(float, mx.max(mx.abs(y - reference)).item())
     ran = [name for name in variants if not any(f["variant"] == name for f in failures)]
     walls: dict[str, list[float]] = {name: [] for name in ran}
     cpus: dict[str, list[float]] = {name: [] for name in ran}

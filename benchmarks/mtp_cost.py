@@ -44,17 +44,16 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
 
+from mlxserve.channel.request import GenerationParams, SamplingParams
 from mlxserve.engine.core.drive import run_to_completion
-from mlxserve.engine.core.engine import Engine, EngineConfig
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter
-from mlxserve.engine.spec import mtp as mtp_adapter
 from mlxserve.engine.spec.costs import measure_round_costs, throwaway_state
 from mlxserve.engine.spec.mtp import MTPAdapter, trim_steps
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
-from mlxserve.kernels import attention
-from mlxserve.models.deepseek_v4 import hyper_connections
+from mlxserve.hardware.tuning import default_tuning
 
 ACCEPTANCES = (0.5, 0.7, 0.85)
 DEPTHS = (1, 2, 3, 4, 5)
@@ -115,7 +114,9 @@ def flash_shaped(
     model = Model(args)
     model.mtp = [MTPBlock(args, "sliding_attention")]
     randomized = []
-    for name, value in tree_flatten(model.parameters()):
+    parameters = tree_flatten(model.parameters())  # type: ignore[no-untyped-call]
+    assert isinstance(parameters, list)
+    for name, value in parameters:
         if mx.issubdtype(value.dtype, mx.floating):
             value = mx.random.normal(value.shape) * (1.0 if value.ndim > 1 else 0.1)
             if value.ndim > 1:
@@ -202,7 +203,7 @@ CLOCK = ["wall"]
 def one_run(engine: Engine, prompt: tuple[int, ...], tokens: int, name: str) -> Any:
     if isinstance(engine.adapter, OracleAdapter):
         engine.adapter.replay()
-    done = run_to_completion(engine, GenerationRequest(name, prompt, tokens))
+    done = run_to_completion(engine, GenerationRequest(name, GenerationParams(prompt, tokens)))
     if CLOCK[0] == "cpu":
         seconds = done.cpu_total_s - done.cpu_ttft_s
     else:
@@ -286,7 +287,7 @@ def main() -> None:
     parser.add_argument(
         "--queue-every",
         type=int,
-        default=mtp_adapter.QUEUE_EVERY_LAYERS,
+        default=default_tuning().verify_queue_every_layers,
         help="queue a verify for the device every this many layers (0: not at all)",
     )
     parser.add_argument(
@@ -301,8 +302,9 @@ def main() -> None:
         help="run the hyper-connections as ops, not compiled (to compare)",
     )
     args = parser.parse_args()
-    mtp_adapter.QUEUE_EVERY_LAYERS = args.queue_every
-    hyper_connections.COMPILED = not args.hc_ops
+    tuning = default_tuning().replace(verify_queue_every_layers=args.queue_every)
+    if args.hc_ops:
+        tuning = tuning.replace(compiled_hc_max_rows=0)
     configure_cuda_graphs()  # as the CLI does, before any device work
     CLOCK[0] = args.clock
     try:
@@ -314,14 +316,15 @@ def main() -> None:
     started = time.perf_counter()
     model = flash_shaped(args.layers, args.hidden, args.experts, args.vocab, dense=args.dense)
     prompt = tuple(random.Random(1).randrange(args.vocab) for _ in range(args.prompt))
-    plain = Engine(PlainAdapter(model), EngineConfig(speculative_depth=0, prefix_cache_entries=0))
+    plain_config = EngineConfig(speculative_depth=0, prefix_cache_entries=0, tuning=tuning)
+    plain = Engine(PlainAdapter(model), plain_config)
     one_run(plain, prompt, args.tokens, "warm-up")  # kernels for every shape compiled
     rate0, reference_out, _ = one_run(plain, prompt, args.tokens, "reference")
     reference = [*prompt, *reference_out]
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    costs = measure_round_costs(
-        MTPAdapter(model), context=args.prompt + args.tokens // 2, clock=clock
-    )
+    tuned = MTPAdapter(model)
+    tuned.tune(tuning)
+    costs = measure_round_costs(tuned, context=args.prompt + args.tokens // 2, clock=clock)
     step = costs.plain
     result: dict[str, Any] = {
         "benchmark": "mtp_cost",
@@ -342,7 +345,7 @@ def main() -> None:
         "clock": args.clock,
         "queue_every_layers": args.queue_every,
         "hyper_connections_compiled": not args.hc_ops,
-        "attention_split_per_query": attention.split_queries(2),
+        "attention_split_per_query": tuning.split_attention_queries,
         "device": benchmark_device(),
         "costs_in_plain_steps": {
             "plain_step_ms": step * 1e3,
@@ -353,7 +356,7 @@ def main() -> None:
             "round": {str(k): v / step for k, v in costs.rounds.items()},
             "round_over_parts": {str(k): v / costs.parts(k) for k, v in costs.rounds.items()},
         },
-        "host_and_device": host_and_device(MTPAdapter(model), args.prompt + args.tokens // 2),
+        "host_and_device": host_and_device(tuned, args.prompt + args.tokens // 2),
         "depth0_tok_s": rate0,
         "runs": [],
     }
@@ -365,7 +368,8 @@ def main() -> None:
         best = 0.0
         for depth in args.depths:
             adapter = OracleAdapter(model, reference, acceptance, seed=depth)
-            engine = Engine(adapter, EngineConfig(speculative_depth=depth, prefix_cache_entries=0))
+            config = EngineConfig(speculative_depth=depth, prefix_cache_entries=0, tuning=tuning)
+            engine = Engine(adapter, config)
             one_run(engine, prompt, args.tokens, "warm-up")  # the shapes the runs will take
             measured, rate, runs, finish = paired_speedup(
                 plain, engine, prompt, args.tokens, args.repeats

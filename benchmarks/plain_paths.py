@@ -14,7 +14,7 @@ streams). This measures, in this one process, interleaved over ``--repeats``:
   every 16 steps) and ``plain_row_batch`` (a one-row ``RowBatch``: depth 0's path);
   with each step graph's primitives that launch a kernel (views left out);
 - ``engine``: per demo prompt, decode tok/s of a depth-0 engine, an automatic one, and
-  an automatic one whose chooser always picks 0 (``auto_plain``: its plain stretch
+  an automatic one whose depth picker always picks 0 (``auto_plain``: its plain stretch
   alone, no probes), with the ratios to depth 0 and the depths auto chose; and the
   automatic engine's step times (ms, its last repeat) by kind: plain steps, rounds
   that leave plain decoding (``probe``), other rounds, and the plain step after a
@@ -33,18 +33,20 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Literal
 
 import mlx.core as mx
 from batch_step import count_primitives
-from engine import PROMPTS, decode_rate, run_one
+from depths import PROMPTS, decode_rate, run_one
 from step_hook import Around, Run, around_steps
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.build import adapter_for, materialize
-from mlxserve.engine.core.engine import Engine, EngineConfig
 from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.batch import new_batch
-from mlxserve.engine.spec.depth import DepthChooser, Pick
+from mlxserve.engine.spec.depth import DepthPicker, Pick
+from mlxserve.engine.spec.mtp import MTPAdapter
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
@@ -140,7 +142,7 @@ def step_kinds(trace: list[tuple[int, float]]) -> dict[str, Any]:
 
 def first_shape(model: Any, lengths: list[int]) -> dict[str, Any]:
     """An MTP forward over a carry of n rows: ms the first time n is seen, and again."""
-    adapter = adapter_for(model, "auto")
+    adapter = MTPAdapter(model)
     out: dict[str, Any] = {}
     for rows in lengths:
         times = []
@@ -158,9 +160,9 @@ def first_shape(model: Any, lengths: list[int]) -> dict[str, Any]:
     return out
 
 
-def always_plain(chooser: DepthChooser) -> None:
-    """The chooser picks depth 0 for every round: no probes, no explorations."""
-    chooser.pick = lambda *args, **kwargs: Pick(0, 0)  # type: ignore[method-assign]
+def always_plain(picker: DepthPicker) -> None:
+    """The depth picker picks depth 0 for every round: no probes, no explorations."""
+    picker.pick = lambda *args, **kwargs: Pick(0, 0)  # type: ignore[method-assign]
 
 
 def engines(model: Any, tokens: int, repeats: int, count: int) -> list[dict[str, Any]]:
@@ -171,18 +173,23 @@ def engines(model: Any, tokens: int, repeats: int, count: int) -> list[dict[str,
     out = []
     for text in PROMPTS[:count]:
         ids = tuple(encode_prompt(tokenizer, text, chat=True))
+        setups: tuple[tuple[str, int | Literal["auto"]], ...] = (
+            ("0", 0),
+            ("auto", "auto"),
+            ("auto_plain", "auto"),
+        )
         built = {
             name: Engine(
                 adapter_for(model, depth),
-                EngineConfig(speculative_depth=depth, prefix_cache_entries=0),  # type: ignore[arg-type]
+                EngineConfig(speculative_depth=depth, prefix_cache_entries=0),
             )
-            for name, depth in (("0", 0), ("auto", "auto"), ("auto_plain", "auto"))
+            for name, depth in setups
         }
-        for engine in built.values():  # calibrates the choosers; compiles the shapes
-            run_one(engine, GenerationRequest("warm-up", ids, tokens))
-        chooser = built["auto_plain"].chooser
-        assert chooser is not None
-        always_plain(chooser)
+        for engine in built.values():  # calibrates the pickers; compiles the shapes
+            run_one(engine, GenerationRequest("warm-up", GenerationParams(ids, tokens)))
+        picker = built["auto_plain"].depth_picker
+        assert picker is not None
+        always_plain(picker)
         rates: dict[str, list[float]] = {name: [] for name in built}
         chosen: dict[str, Any] = {}
         trace: list[tuple[int, float]] = []

@@ -29,18 +29,18 @@ import json
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
-from mlxserve.cluster.composition import Cluster
 from mlxserve.commands.calibrate import calibrate, expert_shapes
+from mlxserve.hardware.composition import Cluster
 from mlxserve.hardware.probe import benchmark_device, probe_local
 from mlxserve.kernels.apply import swap_switch_layers
 from mlxserve.kernels.moe import MoeVariant
 from mlxserve.kernels.tiles import forget_tiles
 from mlxserve.models.deepseek_v4 import Model, ModelArgs
-from mlxserve.policy.engine import evaluate
+from mlxserve.policy.evaluate import evaluate
 from mlxserve.policy.rules import load_rules
 
 FLASH = {
@@ -94,8 +94,8 @@ def build_model(size: str, layers: int, vocab: int, dtype: mx.Dtype, seed: int) 
             BITS,
             class_predicate=lambda _, module: isinstance(module, SwitchLinear),
         )
-        mx.eval(layer.parameters())
-    mx.eval(model.parameters())
+        mx.eval(layer.parameters())  # type: ignore[no-untyped-call]
+    mx.eval(model.parameters())  # type: ignore[no-untyped-call]
     return model
 
 
@@ -130,7 +130,7 @@ def greedy(model: Model, prompt: mx.array, chunk: int, count: int) -> list[int]:
     tokens: list[int] = []
     for _ in range(count):
         token = mx.argmax(logits[0, -1].astype(mx.float32))
-        tokens.append(int(token.item()))
+        tokens.append(cast(int, token.item()))
         logits = model(token.reshape(1, 1), cache)
     return tokens
 
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[dict[str, Any]] = []
     per_chunk = []
     for chunk in chunks:
-        times: dict[str, list[float]] = {v: [] for v in distinct}
+        times: dict[MoeVariant, list[float]] = {v: [] for v in distinct}
         for round_ in range(args.repeats + 1):  # round 0 warms up
             for variant in list(times):
                 swap_switch_layers(model, variant)

@@ -94,14 +94,14 @@ class Server:
         body = {"model": self.model, "prompt": "Hi", "max_tokens": 1, "temperature": 0}
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args} exited; see {self.log.name}")
+                raise RuntimeError(f"{self.proc.args!r} exited; see {self.log.name}")
             try:
                 if httpx.post(f"{self.url}/v1/completions", json=body, timeout=30).is_success:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise TimeoutError(f"{self.proc.args} not ready; see {self.log.name}")
+        raise TimeoutError(f"{self.proc.args!r} not ready; see {self.log.name}")
 
     def backend_line(self) -> str | None:
         """mlxserve's startup line for its engine (model, context, speculative depth)."""
@@ -459,7 +459,9 @@ def parameter_count(model: Any) -> int:
     """Elements in the model's parameters (counted from shapes: nothing is evaluated)."""
     from mlx.utils import tree_flatten
 
-    return sum(int(array.size) for _, array in tree_flatten(model.parameters()))
+    arrays = tree_flatten(model.parameters())
+    assert isinstance(arrays, list)
+    return sum(int(array.size) for _, array in arrays)
 
 
 def random_model(config: dict[str, Any], seed: int = 0) -> Any:

@@ -8,9 +8,9 @@ the DeepSeek-V4-Flash-shaped model of `mtp_cost.py`, and reports per pair the
 on / off ratio of each cost, and their medians. Settings:
 
 - `hc-compiled`: the hyper-connections' `enter` and `leave` under `mx.compile`
-  (`hyper_connections.COMPILED`) against the ops;
+  (the tuning's `compiled_hc_max_rows`, against 0: the ops);
 - `split-attention`: a verify forward's attention as one unmasked call per query
-  (`kernels.attention.SPLIT_QUERIES`) against one masked call.
+  (the tuning's `split_attention_queries`) against one masked call.
 
 Run: python benchmarks/setting_ab.py [--setting hc-compiled] [--layers 43] [--pairs 5]
 """
@@ -26,27 +26,29 @@ from mlxserve.engine.spec.costs import measure_round_costs
 from mlxserve.engine.spec.mtp import MTPAdapter
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
-from mlxserve.kernels import attention
-from mlxserve.models.deepseek_v4 import hyper_connections
+from mlxserve.hardware.tuning import EngineTuning, default_tuning
 
 
-def _hc_compiled(on: bool) -> None:
-    hyper_connections.COMPILED = on
+def _hc_compiled(on: bool) -> EngineTuning:
+    tuning = default_tuning()
+    return tuning if on else tuning.replace(compiled_hc_max_rows=0)
 
 
-def _split_attention(on: bool) -> None:
-    attention.SPLIT_QUERIES = on
+def _split_attention(on: bool) -> EngineTuning:
+    return default_tuning().replace(split_attention_queries=on)
 
 
-SETTINGS: dict[str, Callable[[bool], None]] = {
+SETTINGS: dict[str, Callable[[bool], EngineTuning]] = {
     "hc-compiled": _hc_compiled,
     "split-attention": _split_attention,
 }
 
 
-def costs_ms(adapter: MTPAdapter, apply: Callable[[bool], None], on: bool) -> dict[str, float]:
+def costs_ms(
+    adapter: MTPAdapter, apply: Callable[[bool], EngineTuning], on: bool
+) -> dict[str, float]:
     """The round costs in ms with the setting on or off."""
-    apply(on)
+    adapter.tune(apply(on))
     costs = measure_round_costs(adapter, context=80, trials=3)
     out = {"plain": costs.plain * 1e3, "draft": costs.draft * 1e3}
     out |= {f"verify{k}": v * 1e3 for k, v in costs.verify.items()}

@@ -12,7 +12,7 @@ engine: the peak during a step includes the previous step's buffers still in fli
 which is what the engine holds. Also: the weights' bytes and the largest peak overall.
 
 ``--prefill-queue-every N`` sets how often a prefill chunk is queued for the device
-(``mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS``; 0: evaluated in one piece, as before stop
+(the tuning's ``prefill_queue_every_layers``; 0: evaluated in one piece, as before stop
 22), so both ways can be compared on one machine.
 
 ``--model flash`` runs a DeepSeek-V4-Flash-shaped model instead (`mtp_cost.flash_shaped`:
@@ -38,30 +38,30 @@ from batch_step import demo_engine, engine_rate
 from mlx.utils import tree_flatten
 from step_hook import Around, Run, around_steps
 
-from mlxserve.engine.core.step_plan import StepPlan
-from mlxserve.engine.spec import mtp as mtp_adapter
+from mlxserve.engine.core.step import Step
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
+from mlxserve.hardware.tuning import default_tuning
 
 
-def kind_of(plan: StepPlan) -> str:
-    rows = len(plan.request_ids)
-    if plan.kind == "prefill":
-        return f"prefill {plan.num_tokens} tokens"
-    if plan.kind == "decode":
+def kind_of(step: Step) -> str:
+    rows = len(step.request_ids)
+    if step.kind == "prefill":
+        return f"prefill {step.num_tokens} tokens"
+    if step.kind == "decode":
         return f"decode {rows} rows"
-    return f"speculate {rows} rows depth {plan.num_tokens}"
+    return f"speculate {rows} rows depth {step.num_tokens}"
 
 
 def peak_recorder(peaks: dict[str, dict[str, Any]]) -> Around:
     """What goes around every step (`step_hook.around_steps`) to fill `peaks`."""
 
-    def measured(run: Run, plan: StepPlan, sequences: Any) -> Any:
+    def measured(run: Run, step: Step, sequences: Any) -> Any:
         active = mx.get_active_memory()
         mx.reset_peak_memory()
-        emitted = run(plan, sequences)
+        emitted = run(step, sequences)
         peak = mx.get_peak_memory()
-        entry = peaks.setdefault(kind_of(plan), {"count": 0, "peak": 0, "over_active": 0})
+        entry = peaks.setdefault(kind_of(step), {"count": 0, "peak": 0, "over_active": 0})
         entry["count"] += 1
         entry["peak"] = max(entry["peak"], peak)
         entry["over_active"] = max(entry["over_active"], peak - active)
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument(
         "--prefill-queue-every",
         type=int,
-        default=mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS,
+        default=default_tuning().prefill_queue_every_layers,
         help="queue a prefill chunk after every N layers (0: in one piece)",
     )
     parser.add_argument("--model", choices=["demo", "flash"], default="demo")
@@ -95,7 +95,6 @@ def main() -> None:
         )
     if args.prefill_queue_every < 0:
         parser.error("--prefill-queue-every must be >= 0")
-    mtp_adapter.PREFILL_QUEUE_EVERY_LAYERS = args.prefill_queue_every
     configure_cuda_graphs()  # as the CLI does, before any device work
 
     from mlxserve.engine.core.build import materialize
@@ -108,8 +107,11 @@ def main() -> None:
     else:
         model, _ = load("demo")
         materialize(model)
-    weights = sum(int(a.nbytes) for _, a in tree_flatten(model.parameters()))  # type: ignore[union-attr]
-    engine = demo_engine(model, args.clients)
+    parameters = tree_flatten(model.parameters())
+    assert isinstance(parameters, list)
+    weights = sum(int(a.nbytes) for _, a in parameters)
+    tuning = default_tuning().replace(prefill_queue_every_layers=args.prefill_queue_every)
+    engine = demo_engine(model, args.clients, tuning)
     engine_rate(engine, args.clients, 8, args.context)  # untimed: calibration, compiling
     peaks: dict[str, dict[str, Any]] = {}
     caches: list[int] = []

@@ -100,8 +100,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 def _cmd_policy_explain(args: argparse.Namespace) -> int:
     from mlxserve.config import load_settings
-    from mlxserve.policy.build import build_plan
     from mlxserve.policy.explain import explain_text
+    from mlxserve.startup.plan import build_plan
 
     settings = load_settings(args.config, _cli_settings(args))
     plan, _ = build_plan(settings)

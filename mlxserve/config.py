@@ -133,6 +133,59 @@ class ClusterSettings(_Section):
         return self
 
 
+class TuningSettings(_Section):
+    """Knobs that trade speed against memory. Unset, each takes the default of the device
+    the engine computes on, chosen from measurements (docs/engine.md#tuning)."""
+
+    verify_queue_every_layers: int | None = Field(
+        None,
+        ge=0,
+        description="A speculative verify forward (and the drafts before it) is queued for "
+        "the device every this many layers, so the device runs while the host builds the "
+        "rest of the round; 0: never. Default: 4.",
+    )
+    prefill_queue_every_layers: int | None = Field(
+        None,
+        ge=0,
+        description="A prefill chunk is queued for the device every this many layers, so "
+        "the device frees a layer's activations while the host builds the next; 0: "
+        "evaluated in one piece. Default: 1.",
+    )
+    compiled_hc_max_rows: int | None = Field(
+        None,
+        ge=0,
+        description="DeepSeek-V4: forwards of at most this many rows (batch x tokens) run "
+        "the hyper-connections compiled (mx.compile), larger ones as ops; 0: always the "
+        "ops. Default: 64.",
+    )
+    split_attention_queries: bool | None = Field(
+        None,
+        description="DeepSeek-V4: a forward of 2-8 queries (a verify) attends one query at "
+        "a time, unmasked, instead of one masked call. Default: true on CUDA, false on "
+        "Metal and the CPU.",
+    )
+    speculative_batch: int | None = Field(
+        None,
+        ge=0,
+        description="Up to this many requests decoding together draft together, at "
+        "speculative_batch_depth; larger batches decode plainly. Default: 2.",
+    )
+    speculative_batch_depth: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description="The draft depth of a batch drafting together (at most the engine's "
+        "depth); 0: batches never draft. Default: 2.",
+    )
+    batch_reserve_positions: int | None = Field(
+        None,
+        ge=1,
+        description="Positions a request joining a decode batch of plain KV caches "
+        "reserves ahead at most (its remaining tokens when fewer); a row decoding past "
+        "them makes the batch's buffers grow (a copy, one layer at a time). Default: 1024.",
+    )
+
+
 class EngineSettings(_Section):
     max_running: int = Field(
         8, ge=1, description="Requests generating at once; more wait in the queue."
@@ -156,6 +209,7 @@ class EngineSettings(_Section):
         "client. 'auto': on a GPU, off on a CPU. A tensor-parallel group warms up on "
         "every rank.",
     )
+    tuning: TuningSettings = Field(default_factory=TuningSettings)  # type: ignore[arg-type]
 
 
 class SpeculativeSettings(_Section):

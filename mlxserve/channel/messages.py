@@ -10,11 +10,11 @@ engine -> front:                 tokens, finish (per request), status, error,
                                  progress (while it has work: its step counter)
 """
 
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from mlxserve.engine.core.request import Sampling
+from mlxserve.channel.request import GenerationParams, TokenLogprob
 
 
 class _Message(BaseModel):
@@ -34,57 +34,13 @@ class Hello(_Message):
 
 
 class Generate(_Message):
+    """A generation for the engine: the request's record as the front built it."""
+
     type: Literal["generate"] = "generate"
     id: str
-    prompt_ids: list[int] = Field(min_length=1)
-    max_tokens: int = Field(ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
-    speculative_depth: int | None = Field(None, ge=0, le=5)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = Field(1.0, gt=0)
-    logit_bias: list[tuple[int, float]] = Field(default_factory=list)
-    logprobs: int | None = Field(None, ge=0, le=20)
-    grammar: str | None = None
-    grammar_prefix: list[int] = Field(default_factory=list)
-
-
-class SamplingWire(TypedDict):
-    """A request's sampling fields as `Generate` carries them."""
-
-    temperature: float
-    top_p: float
-    seed: int | None
-    top_k: int
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    logit_bias: list[tuple[int, float]]
-    logprobs: int | None
-
-
-def sampling_wire(sampling: Sampling) -> SamplingWire:
-    """The sampling fields of an engine request or of a backend's params, for a
-    `Generate`: one mapping for the front's requests and rank 0's broadcasts, so a
-    new field cannot reach one and be lost on the other."""
-    return SamplingWire(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        seed=sampling.seed,
-        top_k=sampling.top_k,
-        min_p=sampling.min_p,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=sampling.repetition_penalty,
-        logit_bias=list(sampling.logit_bias),
-        logprobs=sampling.logprobs,
-    )
+    params: GenerationParams
+    # None: the engine's configured depth (0 when the model has no MTP module).
+    speculative_depth: int | None = Field(default=None, ge=0, le=5)
 
 
 class Cancel(_Message):
@@ -96,19 +52,11 @@ class StatusRequest(_Message):
     type: Literal["status"] = "status"
 
 
-class Logprob(_Message):
-    """A chosen token's log-probability and the top alternatives' (token, logprob)."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]] = Field(default_factory=list)
-
-
 class Tokens(_Message):
     type: Literal["tokens"] = "tokens"
     id: str
     token_ids: list[int]
-    logprobs: list[Logprob] | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Finish(_Message):

@@ -1,5 +1,5 @@
-"""The set of ranks that serve together: who they are and how they talk."""
+"""The set of ranks that serve together: joining them and moving bytes between them.
 
-from mlxserve.cluster.composition import Cluster, Composition
-
-__all__ = ["Cluster", "Composition"]
+Nothing here decides anything: the plan is built by `mlxserve.startup.plan` from what
+these modules gather, and evaluated by `mlxserve.policy`.
+"""

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxserve.cluster.composition import Backend, Cluster
 from mlxserve.cluster.exchange import gather_profiles
 from mlxserve.config import ClusterSettings
 from mlxserve.errors import UsageError
+from mlxserve.hardware.composition import Backend, Cluster
 from mlxserve.hardware.probe import package_version, probe_local
 from mlxserve.hardware.profile import RankProfile
 from mlxserve.hardware.simulate import SimulatedRank, parse_cluster_spec, simulated_profile

@@ -2,17 +2,16 @@
 
 Every exchange is one all_gather of a fixed-size byte buffer. Records are
 UTF-8 JSON (structured and inert: no pickle across machines), zero-padded.
+What a record means is its sender's business: the calibration verdicts travel
+through `all_gather_bytes` from `mlxserve.startup.plan`.
 """
 
-import json
 from typing import Any
 
 from mlxserve.errors import UsageError
 from mlxserve.hardware.profile import RankProfile
-from mlxserve.policy.calibration import Verdict
 
 PROFILE_BYTES = 4096
-CALIBRATION_BYTES = 16384
 
 
 def encode_record(payload: bytes, size: int) -> bytes:
@@ -38,33 +37,6 @@ def all_gather_bytes(group: Any, payload: bytes, size: int) -> list[bytes]:
 def gather_profiles(group: Any, profile: RankProfile) -> list[RankProfile]:
     records = all_gather_bytes(group, profile.model_dump_json().encode(), PROFILE_BYTES)
     return [RankProfile.model_validate_json(record) for record in records]
-
-
-def gather_verdicts(group: Any, verdicts: list[Verdict]) -> list[Verdict]:
-    """Every rank's calibration verdicts, merged: one rank's record covers its twins.
-
-    For each (chip, device, mlx version) the newest verdict wins, and the result is
-    sorted, so every rank plans with the same list.
-    """
-    payload = json.dumps([v.model_dump(mode="json") for v in verdicts]).encode()
-    if len(payload) > CALIBRATION_BYTES:
-        raise UsageError(
-            f"this rank's calibration records take {len(payload)} bytes, over the "
-            f"{CALIBRATION_BYTES}-byte exchange buffer; remove old ones from the state directory"
-        )
-    merged: dict[tuple[str, str, str], Verdict] = {}
-    for record in all_gather_bytes(group, payload, CALIBRATION_BYTES):
-        for item in json.loads(record or b"[]"):
-            verdict = Verdict.model_validate(item)
-            key = (verdict.chip, verdict.device_type, verdict.mlx_version)
-            known = merged.get(key)
-            if known is None or _newer(verdict, known):
-                merged[key] = verdict
-    return [merged[key] for key in sorted(merged)]
-
-
-def _newer(a: Verdict, b: Verdict) -> bool:
-    return (a.calibrated_on, a.model_dump_json()) > (b.calibrated_on, b.model_dump_json())
 
 
 def check_same_plan(group: Any, plan_hash: str) -> None:

@@ -181,7 +181,7 @@ def calibrate(
 
 def engine_chunks(settings: Settings, shapes: Sequence[ExpertShape]) -> list[int]:
     """The prefill chunks the engine would run: the configured step, and the plan's raise."""
-    from mlxserve.policy.build import build_plan
+    from mlxserve.startup.plan import build_plan
 
     plan, _ = build_plan(settings)
     chunks = {settings.engine.prefill_step}

@@ -5,8 +5,9 @@ import json
 import uuid
 from typing import Any
 
+from mlxserve.channel.request import GenerationParams, SamplingParams
 from mlxserve.config import Settings
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest
 from mlxserve.errors import UsageError
 from mlxserve.server.stops import TextStream
 
@@ -31,7 +32,7 @@ def run_generate(settings: Settings, args: argparse.Namespace) -> int:
     # and a bad flag is answered before anything starts.
     from mlxserve.engine.core.build import build_engine
     from mlxserve.engine.core.drive import run_to_completion
-    from mlxserve.policy.build import build_plan
+    from mlxserve.startup.plan import build_plan
 
     plan, membership = build_plan(settings)
     plan.ensure_startable()
@@ -39,10 +40,12 @@ def run_generate(settings: Settings, args: argparse.Namespace) -> int:
     prompt = encode_prompt(loaded.tokenizer, args.prompt, chat=not args.raw)
     request = GenerationRequest(
         request_id=uuid.uuid4().hex,
-        prompt_ids=tuple(prompt),
-        max_tokens=args.max_tokens,
-        sampling=sampling,
-        stop_token_ids=frozenset(loaded.tokenizer.eos_token_ids),
+        params=GenerationParams(
+            prompt_ids=tuple(prompt),
+            max_tokens=args.max_tokens,
+            sampling=sampling,
+            stop_token_ids=tuple(sorted(loaded.tokenizer.eos_token_ids)),
+        ),
     )
     text = TextStream(loaded.tokenizer.detokenizer, list(args.stop or []))
     output: list[str] = []

@@ -38,9 +38,9 @@ HTTP_GRACE_S = 5
 
 def run_serve(settings: Settings) -> int:
     from mlxserve.cluster.discover import launched_rank
-    from mlxserve.server.codec import Codec, model_directory
     from mlxserve.server.progress import Console
     from mlxserve.server.runtime import Runtime, build_backends
+    from mlxserve.server.tokenizer import FrontTokenizer, model_directory
 
     rank = launched_rank()
     if rank is not None and rank > 0 and not settings.cluster.simulate:
@@ -58,12 +58,12 @@ def run_serve(settings: Settings) -> int:
     preflight(settings.model)  # a model the engines would refuse stops us here
     console.say(f"loading the tokenizer of model '{settings.model}'")
     try:
-        codec = Codec.load(model_directory(settings.model))
+        tokenizer = FrontTokenizer.load(model_directory(settings.model))
     except KeyboardInterrupt:
         return 0
     listener = bind(settings.server.host, settings.server.port)
     host, port = listener.getsockname()[:2]
-    runtime = Runtime(settings, codec, build_backends(settings, codec), console)
+    runtime = Runtime(settings, tokenizer, build_backends(settings, tokenizer), console)
     runtime.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     names = ", ".join(f"'{b.name}' ({b.kind})" for b in runtime.backends)
     console.say(f"listening on {runtime.url}; starting backends {names}")
@@ -73,7 +73,7 @@ def run_serve(settings: Settings) -> int:
 
 def check_engines(settings: Settings) -> None:
     """Every local engine's plan inputs, checked before anything starts (UsageError: exit 2)."""
-    from mlxserve.policy.build import check_plan
+    from mlxserve.startup.plan import check_plan
 
     check_plan(settings)
     for index, entry in enumerate(settings.fallback, start=1):

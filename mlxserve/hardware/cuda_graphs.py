@@ -6,12 +6,9 @@ operations, keys each by its topology and keeps at most
 *all* when the cache overflows. A 43-layer DeepSeek-V4-shaped decode step is some
 8,000 operations, ~400 commits, with more distinct topologies than 100: the cache
 is cleared over and over and nearly every commit instantiates its graph anew on
-the host. Measured on an NVIDIA H200 (`benchmarks/cuda_graphs.py`,
-`benchmarks/results/cuda_graphs_h200.json`): with 4096 the plain step took 44.6
-ms instead of 84.5, a verify forward 63-68 ms at every length instead of 84-193 ms
-(the "shape-dependent CUDA costs" of earlier runs), and the engine's calibration
-7.5 s instead of 62.5. Committing more operations at once (64 or 200) or launching
-without graphs was slower.
+the host. With 4096 a step, a verify forward and the engine's calibration took half
+or less of their time on an H200, and committing more operations at once or launching
+without graphs was slower (docs/engine.md#tuning: the measurements).
 
 MLX reads the variable once per process, at its first graph commit, so it is set
 before anything runs on the device: at the CLI's start (the engine processes and

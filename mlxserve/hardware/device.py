@@ -2,6 +2,8 @@
 
 import mlx.core as mx
 
+from mlxserve.hardware.profile import DeviceType
+
 
 def on_cuda() -> bool:
     """Whether the default device is a CUDA GPU."""
@@ -11,3 +13,10 @@ def on_cuda() -> bool:
 def on_cpu() -> bool:
     """Whether the default device is the CPU."""
     return mx.default_device() == mx.cpu
+
+
+def default_device_type() -> DeviceType:
+    """The kind of the default device: cuda, metal or cpu (as `on_cuda` and `on_cpu` tell)."""
+    if on_cpu():
+        return "cpu"
+    return "cuda" if on_cuda() else "metal"

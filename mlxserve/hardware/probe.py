@@ -46,12 +46,10 @@ def package_version(name: str) -> str:
 
 
 #: What any step is allowed at least, by device: MLX's CUDA backend compiles
-#: kernels (NVRTC, cuDNN plans) on the first use of each shape. Measured on an
-#: H200 with the demo model: 32-36 s for a fresh process's first prefill and
-#: speculative step (the warm-up takes those), then more than 3 s again at the
-#: first two-request batch after the warm-up. 1.25 s x the front's 20 = 25 s,
-#: under the engine's 30 s watchdog. Metal and the CPU: 0 (nothing measured says
-#: otherwise), so hangs there are told within the front's floor.
+#: kernels (NVRTC, cuDNN plans) on the first use of each shape, in any step, and
+#: 1.25 s x the front's 20 stays under the engine's 30 s watchdog. Metal and the CPU:
+#: 0, so hangs there are told within the front's floor (docs/engine.md#tuning has the
+#: measurements).
 STEP_FLOOR_S: dict[str, float] = {"cuda": 1.25}
 
 

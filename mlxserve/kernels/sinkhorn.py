@@ -39,8 +39,7 @@ THREADS_PER_BLOCK = 128
 SELF_CHECK_MATRICES = 37  # not a multiple of the block: the bound check is exercised
 SELF_CHECK_ATOL = 1e-5
 #: Above this many matrices (a long prefill chunk) the CPU's compiled loop lost to the
-#: op loop (7.7 ms against 4.5 ms for 4096, on the 2-core x86 CI machine); decode
-#: steps and verify forwards have a few dozen.
+#: op loop (docs/engine.md#tuning); decode steps and verify forwards have a few dozen.
 COMPILED_MAX_MATRICES = 512
 
 # One thread per matrix: columns first, then rows and columns ITERS - 1 more times,

@@ -28,16 +28,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mlx.nn.layers.base import Module
 
 from mlxserve.errors import UsageError
 
 from .safetensors_header import HeaderError, TensorInfo, read_checkpoint
-
-if TYPE_CHECKING:
-    from mlxserve.policy.split import ModelShape
 
 log = logging.getLogger(__name__)
 
@@ -454,12 +451,12 @@ def sharded_load(
     return model, tokenizer
 
 
-def model_shape(path: str | Path) -> ModelShape | None:
-    """What the split policy needs of a local DeepSeek-V4 directory (``policy.split``),
-    from its config and safetensors headers; None for anything else (a named source,
-    a Hub id, another model type), whose split stays even."""
-    from mlxserve.policy.split import ModelShape
-
+def model_shape(path: str | Path) -> dict[str, int] | None:
+    """What the split policy needs of a local DeepSeek-V4 directory, from its config and
+    safetensors headers: the fields of ``policy.split.ModelShape``, which the plan's
+    builder (``mlxserve.startup.plan``) makes of them, so the loader never imports the
+    policy. None for anything else (a named source, a Hub id, another model type), whose
+    split stays even."""
     directory = Path(path)
     named = str(path) in _SOURCES or str(path) in _BUILTIN_SOURCES
     if named or not (directory / "config.json").is_file():
@@ -480,4 +477,4 @@ def model_shape(path: str | Path) -> ModelShape | None:
     tensors = _read_tensors(directory)
     if has_dspark_head(config, tensors):
         tensors = drop_draft_head(tensors)
-    return ModelShape(**shape_numbers(config, tensors))
+    return shape_numbers(config, tensors)

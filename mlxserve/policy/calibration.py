@@ -224,3 +224,23 @@ def verdict_for(
     if fresh is not None:
         return fresh, None
     return None, newest_first[0] if newest_first else None
+
+
+def merge_verdicts(per_rank: Sequence[Sequence[Verdict]]) -> list[Verdict]:
+    """Every rank's verdicts, merged: one rank's record covers its twins.
+
+    For each (chip, device, mlx version) the newest verdict wins, and the result is
+    sorted, so every rank plans with the same list.
+    """
+    merged: dict[tuple[str, str, str], Verdict] = {}
+    for verdicts in per_rank:
+        for verdict in verdicts:
+            key = (verdict.chip, verdict.device_type, verdict.mlx_version)
+            known = merged.get(key)
+            if known is None or _newer(verdict, known):
+                merged[key] = verdict
+    return [merged[key] for key in sorted(merged)]
+
+
+def _newer(a: Verdict, b: Verdict) -> bool:
+    return (a.calibrated_on, a.model_dump_json()) > (b.calibrated_on, b.model_dump_json())

@@ -3,7 +3,7 @@
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from mlxserve.cluster.composition import Cluster
+from mlxserve.hardware.composition import Cluster
 from mlxserve.hardware.profile import RankProfile
 from mlxserve.policy.rules import Conditions
 

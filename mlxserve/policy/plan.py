@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from mlxserve.cluster.composition import Composition
 from mlxserve.errors import UsageError
+from mlxserve.hardware.composition import Composition
 from mlxserve.policy.decisions import Value
 from mlxserve.policy.split import SplitDecision
 

@@ -13,8 +13,8 @@ from typing import Any, Literal
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mlxserve.cluster.composition import Composition
 from mlxserve.errors import UsageError
+from mlxserve.hardware.composition import Composition
 from mlxserve.policy.decisions import FASTEST, Scope, Value, decision_spec
 
 #: What an incident rule's reason may name.

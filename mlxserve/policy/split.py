@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel, ConfigDict
 
-from mlxserve.cluster.composition import Cluster
 from mlxserve.errors import UsageError
 from mlxserve.hardware.catalog import memory_bandwidth_gbs
+from mlxserve.hardware.composition import Cluster
 from mlxserve.hardware.profile import RankProfile
 from mlxserve.policy.calibration import Verdict, verdict_for
 

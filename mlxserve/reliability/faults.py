@@ -8,7 +8,7 @@ only by the engine process (`mlxserve.engine.process.loop`) and, for the one mea
 for them, by a follower rank (`mlxserve.engine.process.follower`), each logging a warning
 when any is set. Unset variables mean no fault; production never sets them.
 
-"Step N" is the N-th step plan this process executes (`StepPlan.index`,
+"Step N" is the N-th step this process executes (`Step.index`,
 counting from 1: the first prefill chunk of the first request is step 1).
 
 Variables (each a positive integer step index):
@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.reliability.watchdog import Step
 
 log = logging.getLogger(__name__)
 
@@ -140,16 +140,16 @@ class FaultInjector:
         self._hang_poll_s = hang_poll_s
         self.release = threading.Event()  # set() ends an injected hang (tests only)
 
-    def __call__(self, plan: StepPlan) -> None:
+    def __call__(self, step: Step) -> None:
         faults = self.faults
-        if plan.index == faults.crash_at_step:
-            log.error("injected crash at step %d (%s): exiting", plan.index, plan.kind)
+        if step.index == faults.crash_at_step:
+            log.error("injected crash at step %d (%s): exiting", step.index, step.kind)
             _flush_logs()
             self._exit(CRASH_EXIT_CODE)
-        if plan.index == faults.raise_at_step:
-            raise InjectedFault(f"injected failure at step {plan.index} ({plan.kind})")
-        if plan.index == faults.hang_at_step:
-            log.warning("injected hang at step %d (%s): blocking", plan.index, plan.kind)
+        if step.index == faults.raise_at_step:
+            raise InjectedFault(f"injected failure at step {step.index} ({step.kind})")
+        if step.index == faults.hang_at_step:
+            log.warning("injected hang at step %d (%s): blocking", step.index, step.kind)
             _flush_logs()
             while not self.release.wait(self._hang_poll_s):
                 pass

@@ -31,9 +31,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from mlxserve.engine.core.step_plan import StepPlan
-
 log = logging.getLogger(__name__)
+
+
+class Step(Protocol):
+    """What the watchdog and the faults read of the engine's step
+    (`mlxserve.engine.core.step.Step`): the engine imports this package, so this
+    package does not import the engine."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def request_ids(self) -> tuple[str, ...]: ...
+    @property
+    def num_tokens(self) -> int: ...
+
 
 STALL_EXIT_CODE = 75
 
@@ -47,7 +61,7 @@ class Watched(Protocol):
     def progress(self) -> int: ...
 
     @property
-    def current_step(self) -> StepPlan | None: ...
+    def current_step(self) -> Step | None: ...
 
     @property
     def warming_up(self) -> bool: ...
@@ -57,7 +71,7 @@ class Watched(Protocol):
 class Stall:
     """A step in flight with no progress: what the diagnostic reports."""
 
-    step: StepPlan
+    step: Step
     progress: int
     stalled_for_s: float
     timeout_s: float

@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlxserve.engine.core.request import TokenLogprob
+from mlxserve.channel.request import GenerationParams, SamplingParams, TokenLogprob
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import (
     BackendRejected,
     BackendRequestFailed,
     BackendUnavailable,
     Finished,
-    GenerationParams,
     Tokens,
 )
-from mlxserve.server.codec import Codec
 from mlxserve.server.errors import (
     BadGateway,
     ContextLengthExceeded,
@@ -37,6 +35,7 @@ from mlxserve.server.metrics import Metrics
 from mlxserve.server.protocol import SEED_RANGE
 from mlxserve.server.router import Job, Router
 from mlxserve.server.stops import TextStream
+from mlxserve.server.tokenizer import FrontTokenizer
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class Generations:
     def __init__(
         self,
         *,
-        codec: Codec,
+        tokenizer: FrontTokenizer,
         router: Router,
         admission: Admission,
         metrics: Metrics,
@@ -81,7 +80,7 @@ class Generations:
         stop_token_ids: Callable[[], tuple[int, ...]],
         retry_after_s: int,
     ) -> None:
-        self.codec = codec
+        self.tokenizer = tokenizer
         self.router = router
         self.admission = admission
         self.metrics = metrics
@@ -89,7 +88,7 @@ class Generations:
         self.context_length = context_length
         self.stop_token_ids = stop_token_ids
         self.retry_after_s = retry_after_s
-        self.vocab_size = codec.vocab_size
+        self.vocab_size = tokenizer.vocab_size
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -107,35 +106,33 @@ class Generations:
 
     def prompt_ids(self, text: str, *, param: str) -> list[int]:
         """The prompt's token ids; a prompt that cannot fit the context is refused from
-        its size first (`Codec.min_tokens`), without being tokenized, with the same 400
+        its size first (`FrontTokenizer.min_tokens`), without being tokenized, with the same 400
         as `prepare` gives it: tokenizing megabytes takes seconds and far more memory
         than the text, for an answer known in advance."""
         context = self.context_length()
-        least = self.codec.min_tokens(text) if context is not None else 0
+        least = self.tokenizer.min_tokens(text) if context is not None else 0
         if context is not None and least >= context:
             raise ContextLengthExceeded(
                 f"the prompt has at least {least} tokens; the model's context is {context}",
                 param=param,
             )
-        return self.codec.text_ids(text)
+        return self.tokenizer.text_ids(text)
 
     def prepare(
         self,
         prompt_ids: list[int],
         *,
         max_tokens: int | None,
-        temperature: float | None,
-        top_p: float | None,
-        seed: int | None,
+        sampling: SamplingParams,
         stops: list[str],
+        grammar: str | None = None,
         ignore_eos: bool = False,
         limit_param: str = "max_tokens",
         prompt_param: str = "messages",
         continues_prompt: bool = False,
-        extra: Mapping[str, Any] | None = None,
     ) -> Prepared:
-        """Checked parameters of one generation; ``extra`` sets the other
-        `GenerationParams` fields (penalties, logit_bias, logprobs, grammar)."""
+        """Checked parameters of one generation: ``sampling`` as the API edge read it
+        from the body (`mlxserve.server.routes.common.sampling_of`), carried unchanged."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.checked_ids(prompt_ids, param="prompt")
@@ -155,26 +152,21 @@ class Generations:
                 f"exceeds the model's context of {context} tokens",
                 param=limit_param,
             )
+        self.checked_ids([token for token, _ in sampling.logit_bias], param="logit_bias")
         params = GenerationParams(
             prompt_ids=tuple(prompt_ids),
             max_tokens=max_tokens,
-            temperature=1.0 if temperature is None else temperature,
-            top_p=1.0 if top_p is None else top_p,
-            seed=None if seed is None else seed % SEED_RANGE,
+            sampling=sampling,
             stop_token_ids=() if ignore_eos else self.stop_token_ids(),
+            grammar=grammar,
         )
-        if extra:
-            bias = dict(extra).get("logit_bias") or ()
-            self.checked_ids([token for token, _ in bias], param="logit_bias")
-            params = replace(params, **extra)
         return Prepared(uuid.uuid4().hex, params, stops, continues_prompt)
 
     def again(self, prepared: Prepared, index: int) -> Prepared:
         """Choice ``index`` of an n-choice request: its own id and its own seed."""
-        seed = prepared.params.seed
-        params = replace(
-            prepared.params, seed=None if seed is None else (seed + index) % SEED_RANGE
-        )
+        sampling = prepared.params.sampling
+        seed = None if sampling.seed is None else (sampling.seed + index) % SEED_RANGE
+        params = replace(prepared.params, sampling=replace(sampling, seed=seed))
         return Prepared(uuid.uuid4().hex, params, prepared.stops, prepared.continues_prompt)
 
     async def run(self, prepared: Prepared) -> AsyncGenerator[Delta, None]:
@@ -183,9 +175,9 @@ class Generations:
         async with self.admission.slot():
             job = Job(prepared.request_id, prepared.params)
             detokenizer = (
-                self.codec.continuation_detokenizer()
+                self.tokenizer.continuation_detokenizer()
                 if prepared.continues_prompt
-                else self.codec.detokenizer()
+                else self.tokenizer.detokenizer()
             )
             text = TextStream(detokenizer, prepared.stops)
             last = None

@@ -10,34 +10,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mlxserve.engine.core.request import TokenLogprob
-from mlxserve.server.codec import Codec
+from mlxserve.channel.request import TokenLogprob
+from mlxserve.server.tokenizer import FrontTokenizer
 
 
-def _item(codec: Codec, token: int, logprob: float) -> dict[str, Any]:
-    text = codec.decode([token])
+def _item(tokenizer: FrontTokenizer, token: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token])
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
-def chat_logprobs(codec: Codec, records: Sequence[TokenLogprob]) -> dict[str, Any]:
+def chat_logprobs(tokenizer: FrontTokenizer, records: Sequence[TokenLogprob]) -> dict[str, Any]:
     content = []
     for record in records:
-        entry = _item(codec, record.token, record.logprob)
-        entry["top_logprobs"] = [_item(codec, token, value) for token, value in record.top]
+        entry = _item(tokenizer, record.token, record.logprob)
+        entry["top_logprobs"] = [_item(tokenizer, token, value) for token, value in record.top]
         content.append(entry)
     return {"content": content}
 
 
 def completion_logprobs(
-    codec: Codec, records: Sequence[TokenLogprob], offset: int = 0
+    tokenizer: FrontTokenizer, records: Sequence[TokenLogprob], offset: int = 0
 ) -> dict[str, Any]:
     """The legacy shape: parallel lists, top alternatives as {text: logprob}."""
     tokens, values, tops, offsets = [], [], [], []
     for record in records:
-        text = codec.decode([record.token])
+        text = tokenizer.decode([record.token])
         tokens.append(text)
         values.append(record.logprob)
-        tops.append({codec.decode([token]): value for token, value in record.top})
+        tops.append({tokenizer.decode([token]): value for token, value in record.top})
         offsets.append(offset)
         offset += len(text)
     return {

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field, replace
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt
 from tenacity import wait_random_exponential as wait_full_jitter
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.server.backends.base import (
     Backend,
     BackendEvent,
     BackendRequestFailed,
     BackendUnavailable,
     Finished,
-    GenerationParams,
     Tokens,
 )
 from mlxserve.server.metrics import Metrics
@@ -178,11 +178,10 @@ class Router:
                 len(job.sent),
             )
         job.backend = backend.name
-        params = job.resume_params()
-        if params.max_tokens <= 0:  # the failure came after the last token
+        if len(job.sent) >= job.params.max_tokens:  # the failure came after the last token
             yield Finished("length", len(job.params.prompt_ids), len(job.sent))
             return
-        stream = backend.generate(f"{job.request_id}.{job.attempts}", params)
+        stream = backend.generate(f"{job.request_id}.{job.attempts}", job.resume_params())
         try:
             async for event in stream:
                 if isinstance(event, Tokens):

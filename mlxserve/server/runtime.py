@@ -21,12 +21,12 @@ from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import Backend
 from mlxserve.server.backends.local import LocalEngine
 from mlxserve.server.backends.remote import RemoteBackend
-from mlxserve.server.codec import Codec
 from mlxserve.server.generation import Generations
 from mlxserve.server.metrics import Metrics
 from mlxserve.server.progress import Console
 from mlxserve.server.router import RetryPolicy, Router
 from mlxserve.server.supervisor import Supervisor
+from mlxserve.server.tokenizer import FrontTokenizer
 from mlxserve.server.workers import BODIES, THREADS, Workers
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ def inherited_env() -> dict[str, str]:
     }
 
 
-def build_backends(settings: Settings, codec: Codec) -> list[Backend]:
+def build_backends(settings: Settings, tokenizer: FrontTokenizer) -> list[Backend]:
     server = settings.server
     backends: list[Backend] = [
         LocalEngine(
@@ -83,18 +83,20 @@ def build_backends(settings: Settings, codec: Codec) -> list[Backend]:
         )
     ]
     for index, fallback in enumerate(settings.fallback, start=1):
-        backends.append(_fallback(settings, fallback, f"fallback{index}", codec))
+        backends.append(_fallback(settings, fallback, f"fallback{index}", tokenizer))
     return backends
 
 
-def _fallback(settings: Settings, entry: FallbackSettings, default: str, codec: Codec) -> Backend:
+def _fallback(
+    settings: Settings, entry: FallbackSettings, default: str, tokenizer: FrontTokenizer
+) -> Backend:
     server = settings.server
     name = entry.name or default
     if entry.url is not None:
         return RemoteBackend(
             name,
             entry.url,
-            codec=codec,
+            tokenizer=tokenizer,
             api_key=entry.api_key,
             request_timeout_s=server.request_timeout_s,
             context_length=DEFAULT_CONTEXT,
@@ -124,13 +126,13 @@ class Runtime:
     def __init__(
         self,
         settings: Settings,
-        codec: Codec,
+        tokenizer: FrontTokenizer,
         backends: list[Backend],
         console: Console | None = None,
     ) -> None:
         server = settings.server
         self.settings = settings
-        self.codec = codec
+        self.tokenizer = tokenizer
         self.console = console or Console(enabled=False)
         self.metrics = Metrics()
         self.model_name = server.model_name or settings.model
@@ -155,7 +157,7 @@ class Runtime:
             server.retry_after_s,
         )
         self.generations = Generations(
-            codec=codec,
+            tokenizer=tokenizer,
             router=self.router,
             admission=self.admission,
             metrics=self.metrics,
@@ -164,7 +166,7 @@ class Runtime:
             stop_token_ids=self.stop_token_ids,
             retry_after_s=server.retry_after_s,
         )
-        probe = codec.text_ids(PROBE_TEXT) or codec.eos_token_ids[:1]
+        probe = tokenizer.text_ids(PROBE_TEXT) or tokenizer.eos_token_ids[:1]
         self.supervisor = Supervisor(
             self.router.backends, server, self.metrics, probe, self.console, self._on_healthy
         )
@@ -181,7 +183,7 @@ class Runtime:
     def stop_token_ids(self) -> tuple[int, ...]:
         """EOS ids as the engines announced them in their hello (else the tokenizer's)."""
         announced = {t for b in self.backends if b.info is not None for t in b.info.eos_token_ids}
-        return tuple(sorted(announced or set(self.codec.eos_token_ids)))
+        return tuple(sorted(announced or set(self.tokenizer.eos_token_ids)))
 
     def plan(self) -> dict[str, Any] | None:
         """The policy plan of the active backend (else the last one any engine reported)."""

@@ -5,7 +5,7 @@ string split across tokens is never half-sent; when one appears, the text ends
 just before it (OpenAI semantics: the stop string is not part of the output).
 """
 
-from mlxserve.server.codec import Detokenizer
+from mlxserve.server.tokenizer import Detokenizer
 
 
 class TextStream:

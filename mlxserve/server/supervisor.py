@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.config import ServerSettings, state_dir
 from mlxserve.errors import UsageError
 from mlxserve.reliability.hang import LoopPauses
@@ -31,7 +32,6 @@ from mlxserve.server.backends.base import (
     BackendRejected,
     BackendUnavailable,
     Finished,
-    GenerationParams,
 )
 from mlxserve.server.backends.local import LocalEngine
 from mlxserve.server.metrics import Metrics
@@ -271,9 +271,7 @@ class Supervisor:
         # The model's own stops, as a client's request has them: an empty set asks to
         # ignore EOS, a field a strict OpenAI-compatible remote refuses.
         stops = backend.info.eos_token_ids if backend.info is not None else ()
-        params = GenerationParams(
-            prompt_ids=self.probe_ids, max_tokens=1, temperature=0.0, stop_token_ids=stops
-        )
+        params = GenerationParams(prompt_ids=self.probe_ids, max_tokens=1, stop_token_ids=stops)
         stream = backend.generate(f"probe-{uuid.uuid4().hex[:12]}", params)
         try:
             async with asyncio.timeout(self.settings.ready_timeout_s):

@@ -183,8 +183,9 @@ class EngineProcess:
         message: dict[str, Any] = json.loads(line)
         return message
 
-    def generate(self, request_id: str, prompt_ids: list[int], **options: Any) -> None:
-        self.send(type="generate", id=request_id, prompt_ids=prompt_ids, **options)
+    def generate(self, request_id: str, prompt_ids: list[int], **params: Any) -> None:
+        """A `generate` message; ``params``: the other fields of its `GenerationParams`."""
+        self.send(type="generate", id=request_id, params={"prompt_ids": prompt_ids, **params})
 
     def collect(self, request_id: str) -> tuple[list[int], dict[str, Any], list[dict[str, Any]]]:
         """Tokens and the finish of `request_id`; other messages received meanwhile."""

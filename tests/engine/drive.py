@@ -1,7 +1,7 @@
 """Drive an engine from a test: submit, step it to completion, collect the events."""
 
-from mlxserve.engine.core.engine import Engine, RequestStream
 from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.core.stepper import Engine, RequestStream
 
 
 def collect(stream: RequestStream, timeout: float = 1) -> tuple[list[int], FinishEvent]:

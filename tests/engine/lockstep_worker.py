@@ -1,5 +1,5 @@
 """One rank of the lockstep check, run by ``test_lockstep``: the demo model sharded over
-the ring group, rank 0's engine leading, the others following its step plans.
+the ring group, rank 0's engine leading, the others following its steps.
 
 Rank 0 first runs the same requests on the whole (unsharded) model for reference.
 Every rank prints one JSON line: its tokens per request (and rank 0 the reference).
@@ -11,20 +11,27 @@ import sys
 
 import mlx.core as mx
 
+from mlxserve.channel.request import GenerationParams, SamplingParams
 from mlxserve.engine.core.build import adapter_for
-from mlxserve.engine.core.engine import Engine, EngineConfig, RequestStream
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig, RequestStream
 from mlxserve.engine.process.lockstep import LockstepLeader, follow
 from mlxserve.models import load, sharded_load
 from tests.engine.drive import collect
 
 PROMPT = tuple(range(10, 60))
 REQUESTS = [
-    GenerationRequest("greedy-mtp", PROMPT, 24, speculative_depth=3),
-    GenerationRequest("greedy", PROMPT[5:], 24, speculative_depth=0),
-    GenerationRequest("seeded", PROMPT[:30], 24, SamplingParams(0.8, 0.95, 5), speculative_depth=0),
-    GenerationRequest("unseeded", PROMPT[:20], 24, SamplingParams(1.0), speculative_depth=2),
-    GenerationRequest("cancelled", PROMPT, 200, speculative_depth=0),
+    GenerationRequest("greedy-mtp", GenerationParams(PROMPT, 24), speculative_depth=3),
+    GenerationRequest("greedy", GenerationParams(PROMPT[5:], 24), speculative_depth=0),
+    GenerationRequest(
+        "seeded",
+        GenerationParams(PROMPT[:30], 24, SamplingParams(0.8, 0.95, 5)),
+        speculative_depth=0,
+    ),
+    GenerationRequest(
+        "unseeded", GenerationParams(PROMPT[:20], 24, SamplingParams(1.0)), speculative_depth=2
+    ),
+    GenerationRequest("cancelled", GenerationParams(PROMPT, 200), speculative_depth=0),
 ]
 CONFIG = EngineConfig(max_running=8, prefill_step=16, speculative_depth=3)
 MAX_STEPS = 2000

@@ -4,15 +4,17 @@ forwards compile."""
 import mlx.core as mx
 import pytest
 
+from mlxserve.hardware.tuning import default_tuning
 from mlxserve.models.deepseek_v4 import hyper_connections
 from tests.engine.v4_models import tiny_v4
 
 CONSTANTS = hyper_connections.MixConstants(hc=4, norm_eps=1e-6, hc_eps=1e-6)
 
 
-def _forward(compiled: bool, length: int, monkeypatch: pytest.MonkeyPatch) -> mx.array:
-    monkeypatch.setattr(hyper_connections, "COMPILED", compiled)
+def _forward(compiled: bool, length: int) -> mx.array:
     model = tiny_v4(seed=5)
+    if not compiled:
+        model.tune(default_tuning().replace(compiled_hc_max_rows=0))
     cache = model.make_cache(4)
     model.forward_hidden(mx.array([[(3 * i + 1) % 61 for i in range(17)]]), cache)
     out = model.forward_hidden(mx.array([[(5 * i + 2) % 61 for i in range(length)]]), cache)
@@ -21,10 +23,10 @@ def _forward(compiled: bool, length: int, monkeypatch: pytest.MonkeyPatch) -> mx
 
 
 @pytest.mark.parametrize("length", [1, 3])
-def test_a_compiled_forward_equals_the_ops(length: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_compiled_forward_equals_the_ops(length: int) -> None:
     assert hyper_connections.compiled_agrees(CONSTANTS)
-    ops = _forward(False, length, monkeypatch)
-    compiled = _forward(True, length, monkeypatch)
+    ops = _forward(False, length)
+    compiled = _forward(True, length)
     assert mx.array_equal(ops, compiled)
 
 
@@ -37,8 +39,8 @@ def test_only_small_forwards_compile(monkeypatch: pytest.MonkeyPatch) -> None:
         return real(name, *constants)  # type: ignore[arg-type]
 
     monkeypatch.setattr(hyper_connections, "_compiled", spy)
-    monkeypatch.setattr(hyper_connections, "COMPILED_MAX_ROWS", 4)
     model = tiny_v4(seed=5)
+    model.tune(default_tuning().replace(compiled_hc_max_rows=4))
     cache = model.make_cache(4)
     model.forward_hidden(mx.array([list(range(1, 9))]), cache)  # 8 rows: the ops
     assert calls == []

@@ -141,10 +141,10 @@ def test_the_plan_reads_the_split_granularity_and_bytes_from_the_headers(
 
     path = save_checkpoint(_model(True), tmp_path / "m", {"group_size": 32, "bits": 4})
     shape = model_shape(path)
-    assert shape is not None and shape.granularity == 4
+    assert shape is not None and shape["granularity"] == 4
     check_shardable(_model(True), 2, [3, 1])  # what 4 parts allow, the model takes
     tensors = read_checkpoint(path)
-    assert shape.replicated_bytes + shape.sharded_bytes == weight_bytes(tensors)
-    assert shape.replicated_bytes + shape.sharded_bytes // 2 == weight_bytes(tensors, 2)
-    assert 0 < shape.sharded_read < shape.sharded_bytes
+    assert shape["replicated_bytes"] + shape["sharded_bytes"] == weight_bytes(tensors)
+    assert shape["replicated_bytes"] + shape["sharded_bytes"] // 2 == weight_bytes(tensors, 2)
+    assert 0 < shape["sharded_read"] < shape["sharded_bytes"]
     assert model_shape("demo") is None

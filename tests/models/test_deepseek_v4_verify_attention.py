@@ -4,11 +4,14 @@ alignment of the window, of entries closing inside the forward and of the indexe
 picks, after rollbacks and for rows at different offsets
 (``mlxserve.kernels.attention``)."""
 
+from collections.abc import Iterator
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlxserve.hardware.device import on_cuda
+from mlxserve.hardware.tuning import default_tuning
 from mlxserve.kernels import attention
 from mlxserve.models.deepseek_v4 import Model
 from mlxserve.models.deepseek_v4.cache import RowCaches
@@ -22,6 +25,17 @@ TOKENS = [(7 * i + 3) % 61 for i in range(56)]
 @pytest.fixture(scope="module")
 def model() -> Model:
     return tiny_v4(seed=3)
+
+
+@pytest.fixture(autouse=True)
+def _device_tuning(model: Model) -> Iterator[None]:
+    """Each test leaves the shared model as it found it: tuned for this device."""
+    yield
+    model.tune(default_tuning())
+
+
+def _split(model: Model, on: bool) -> None:
+    model.tune(default_tuning().replace(split_attention_queries=on))
 
 
 @pytest.fixture(scope="module")
@@ -56,22 +70,19 @@ def _chunked_logits(model: Model, prefix: int, length: int, rejected: int = 0) -
 def test_one_call_per_query_matches_the_masked_call(
     model: Model,
     whole: np.ndarray,
-    monkeypatch: pytest.MonkeyPatch,
     prefix: int,
     length: int,
     rejected: int,
 ) -> None:
-    monkeypatch.setattr(attention, "SPLIT_QUERIES", True)
+    _split(model, True)
     split = _chunked_logits(model, prefix, length, rejected)
-    monkeypatch.setattr(attention, "SPLIT_QUERIES", False)
+    _split(model, False)
     masked = _chunked_logits(model, prefix, length, rejected)
     np.testing.assert_allclose(split, masked, atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(split, whole, atol=2e-5, rtol=1e-5)
 
 
-def test_rows_at_different_offsets_split_alike(
-    model: Model, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_rows_at_different_offsets_split_alike(model: Model) -> None:
     # Row 0 at 23 (picks), row 1 at 11 (no picks yet): a batched verify of 3 tokens.
     def verify() -> np.ndarray:
         rows = [model.make_cache(), model.make_cache()]
@@ -82,16 +93,23 @@ def test_rows_at_different_offsets_split_alike(
         mx.eval(logits)
         return np.asarray(logits)
 
-    monkeypatch.setattr(attention, "SPLIT_QUERIES", True)
+    _split(model, True)
     split = verify()
-    monkeypatch.setattr(attention, "SPLIT_QUERIES", False)
+    _split(model, False)
     np.testing.assert_allclose(split, verify(), atol=2e-5, rtol=1e-5)
 
 
-def test_only_few_query_forwards_are_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention, "SPLIT_QUERIES", True)
-    assert not attention.split_queries(1)
-    assert attention.split_queries(2) and attention.split_queries(attention.MAX_SPLIT_QUERIES)
-    assert not attention.split_queries(attention.MAX_SPLIT_QUERIES + 1)
-    monkeypatch.setattr(attention, "SPLIT_QUERIES", None)
-    assert attention.split_queries(2) == on_cuda()  # chosen by device
+def test_only_few_query_forwards_are_split() -> None:
+    assert not attention.split_queries(1, True)
+    assert attention.split_queries(2, True)
+    assert attention.split_queries(attention.MAX_SPLIT_QUERIES, True)
+    assert not attention.split_queries(attention.MAX_SPLIT_QUERIES + 1, True)
+    assert not attention.split_queries(2, False)
+    assert default_tuning().split_attention_queries == on_cuda()  # chosen by device
+
+
+def test_the_tuning_reaches_every_attention_layer(model: Model) -> None:
+    for on in (True, False):
+        _split(model, on)
+        layers = [*model.layers, *model.mtp]
+        assert {layer.attn.split_attention_queries for layer in layers} == {on}

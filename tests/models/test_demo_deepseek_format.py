@@ -6,13 +6,13 @@ from pathlib import Path
 
 from mlxserve.models.demo.build import WEIGHTS_DIR
 from mlxserve.models.demo.deepseek_format import RENAMED, _write_tokenizer
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
 
 
 def test_renamed_tokens_keep_their_ids_and_the_template_is_gone(tmp_path: Path) -> None:
     _write_tokenizer(WEIGHTS_DIR, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    demo, variant = Codec.load(WEIGHTS_DIR), Codec.load(tmp_path)
+    demo, variant = FrontTokenizer.load(WEIGHTS_DIR), FrontTokenizer.load(tmp_path)
     assert variant.vocab_size == demo.vocab_size
     assert variant.eos_token_ids == demo.eos_token_ids
     for old, new in RENAMED.items():

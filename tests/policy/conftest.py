@@ -7,8 +7,8 @@ import pytest
 
 from mlxserve.config import load_settings
 from mlxserve.hardware.simulate import parse_cluster_spec
-from mlxserve.policy.build import build_plan
 from mlxserve.policy.plan import Plan
+from mlxserve.startup.plan import build_plan
 
 PlanFor = Callable[..., Plan]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from mlxserve.errors import UsageError
-from mlxserve.policy.calibration import CalibrationRecord, verdict_for
+from mlxserve.policy.calibration import CalibrationRecord, merge_verdicts, verdict_for
 from mlxserve.policy.calibration_store import load_records, load_verdicts, record_path, save_record
 from tests.policy.calibrations import full_faster, record, shape
 
@@ -79,6 +79,19 @@ def test_verdicts_match_chip_device_and_mlx_version() -> None:
     assert verdict_for("Linux CPU", "cpu", "0.32.4", [old, new, other]) == (new, None)
     assert verdict_for("Linux CPU", "cpu", "0.33.0", [old, new, other]) == (None, new)
     assert verdict_for("NVIDIA GPU", "cuda", "0.32.4", [old, new, other]) == (None, None)
+
+
+def test_ranks_verdicts_merge_newest_first_in_one_order() -> None:
+    """What every rank plans with after the exchange: per chip, device and mlx version the
+    newest verdict, sorted, whichever rank sent what."""
+    older = full_faster(mlx="0.32.4", created_at="2026-10-01T00:00:00+00:00").verdict()
+    newer = full_faster(mlx="0.32.4").verdict()
+    other = full_faster(mlx="0.32.4", chip="Apple M5 Max", device_type="metal").verdict()
+    assert older and newer and other
+    merged = merge_verdicts([[older, other], [newer], []])
+    assert merged == [other, newer]
+    assert merge_verdicts([[newer], [other, older]]) == merged
+    assert merge_verdicts([]) == []
 
 
 def test_records_round_trip_and_replace_the_device_record(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_missing_or_empty_directory(tmp_path: Path) -> None:
 def test_rules_without_a_default_are_caught_at_evaluation(tmp_path: Path) -> None:
     from mlxserve.cluster.discover import simulated_cluster
     from mlxserve.config import ClusterSettings
-    from mlxserve.policy.engine import evaluate
+    from mlxserve.policy.evaluate import evaluate
 
     cluster = simulated_cluster(ClusterSettings(simulate=["cpu"]))
     with pytest.raises(UsageError, match="no rule decides moe_rows_per_expert_min for rank 0"):
@@ -86,7 +86,7 @@ def test_rules_without_a_default_are_caught_at_evaluation(tmp_path: Path) -> Non
 def test_rank_rule_warnings_name_the_rank(tmp_path: Path) -> None:
     from mlxserve.cluster.discover import simulated_cluster
     from mlxserve.config import ClusterSettings
-    from mlxserve.policy.engine import evaluate
+    from mlxserve.policy.evaluate import evaluate
 
     for name in ("nax_moe.toml", "prefill_step.toml", "distributed.toml", "watchdog.toml"):
         (tmp_path / name).write_text((builtin_rules_dir() / name).read_text())

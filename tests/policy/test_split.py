@@ -2,12 +2,12 @@
 
 import pytest
 
-from mlxserve.cluster.composition import Cluster
 from mlxserve.errors import UsageError
 from mlxserve.hardware.catalog import memory_bandwidth_gbs
+from mlxserve.hardware.composition import Cluster
 from mlxserve.hardware.simulate import parse_cluster_spec, simulated_profile
 from mlxserve.policy.calibration import Verdict
-from mlxserve.policy.engine import evaluate
+from mlxserve.policy.evaluate import evaluate
 from mlxserve.policy.explain import explain_text
 from mlxserve.policy.rules import load_rules
 from mlxserve.policy.split import (

@@ -6,16 +6,16 @@ import time
 
 import pytest
 
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.core.step import Step
 from mlxserve.reliability.watchdog import STALL_EXIT_CODE, Watchdog, format_thread_stacks
 
-STEP = StepPlan(index=7, kind="decode", request_ids=("req-a", "req-b"), num_tokens=1)
+STEP = Step(index=7, kind="decode", request_ids=("req-a", "req-b"), num_tokens=1)
 
 
 class FakeEngine:
     def __init__(self) -> None:
         self.progress = 0
-        self.current_step: StepPlan | None = None
+        self.current_step: Step | None = None
         self.warming_up = False
 
 
@@ -127,7 +127,7 @@ def test_each_stuck_step_gets_its_own_warning(
         clock.now += 6
         assert watchdog.check() == "slow"
         engine.progress += 1
-        engine.current_step = StepPlan(8, "prefill", ("req-c",), 512)
+        engine.current_step = Step(8, "prefill", ("req-c",), 512)
         assert watchdog.check() == "progressing"
         clock.now += 6
         assert watchdog.check() == "slow"

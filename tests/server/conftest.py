@@ -8,8 +8,8 @@ from starlette.testclient import TestClient
 
 from mlxserve.config import Settings
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
 from mlxserve.server.runtime import Runtime
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.fakes import FakeBackend
 from tests.server.live import MODEL, LiveServer
 
@@ -17,18 +17,20 @@ DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "mlxserve" / "models" / "
 
 
 @pytest.fixture(scope="session")
-def codec() -> Codec:
-    return Codec.load(DEMO_TOKENIZER)
+def tokenizer() -> FrontTokenizer:
+    return FrontTokenizer.load(DEMO_TOKENIZER)
 
 
 #: The Host name Starlette's TestClient sends, which the browser guard (no API key) must let in.
 TEST_CLIENT_HOST = "testserver"
 
 
-def make_runtime(codec: Codec, backends: list[FakeBackend], **server: object) -> Runtime:
+def make_runtime(
+    tokenizer: FrontTokenizer, backends: list[FakeBackend], **server: object
+) -> Runtime:
     server.setdefault("allowed_hosts", [TEST_CLIENT_HOST])
     settings = Settings(model="demo", server=server, engine={"max_running": 2})  # type: ignore[arg-type]
-    return Runtime(settings, codec, list(backends))
+    return Runtime(settings, tokenizer, list(backends))
 
 
 @pytest.fixture
@@ -37,8 +39,8 @@ def fake() -> FakeBackend:
 
 
 @pytest.fixture
-def client(codec: Codec, fake: FakeBackend) -> Iterator[TestClient]:
-    runtime = make_runtime(codec, [fake], max_queue=1, max_body_bytes=4096)
+def client(tokenizer: FrontTokenizer, fake: FakeBackend) -> Iterator[TestClient]:
+    runtime = make_runtime(tokenizer, [fake], max_queue=1, max_body_bytes=4096)
     fake.up()
     with TestClient(create_app(runtime), raise_server_exceptions=False) as test_client:
         yield test_client

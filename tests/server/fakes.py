@@ -8,6 +8,7 @@ tokens already sent continues exactly as an uninterrupted run would.
 import asyncio
 from collections.abc import AsyncGenerator
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.server.backends.base import (
     Backend,
     BackendEvent,
@@ -16,7 +17,6 @@ from mlxserve.server.backends.base import (
     BackendRequestFailed,
     BackendUnavailable,
     Finished,
-    GenerationParams,
     Tokens,
 )
 

@@ -7,7 +7,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend, greedy
 
@@ -56,14 +56,14 @@ def test_models_and_policy(client: TestClient) -> None:
     assert client.get("/v1/policy").json()["plan_hash"] == "abc123"
 
 
-def test_chat_completion(client: TestClient, codec: Codec, fake: FakeBackend) -> None:
+def test_chat_completion(client: TestClient, tokenizer: FrontTokenizer, fake: FakeBackend) -> None:
     response = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0})
     assert response.status_code == 200
     body = response.json()
     assert response.headers["x-mlxserve-backend"] == "primary"
-    prompt = codec.chat_ids([{"role": "user", "content": "Hello"}])
+    prompt = tokenizer.chat_ids([{"role": "user", "content": "Hello"}])
     assert list(fake.calls[0].prompt_ids) == prompt
-    assert body["choices"][0]["message"]["content"] == codec.decode(greedy(prompt, 4))
+    assert body["choices"][0]["message"]["content"] == tokenizer.decode(greedy(prompt, 4))
     assert body["choices"][0]["finish_reason"] == "length"
     assert body["usage"] == {
         "prompt_tokens": len(prompt),
@@ -142,12 +142,12 @@ def test_echoed_fields_mlxserve_never_fills_are_accepted_empty(
 
 
 def test_a_completion_keeps_the_space_its_first_token_starts_with(
-    client: TestClient, codec: Codec, fake: FakeBackend
+    client: TestClient, tokenizer: FrontTokenizer, fake: FakeBackend
 ) -> None:
     """The text goes on from the prompt: prompt + text is the whole, and it matches
     the tokens' offsets. A chat reply starts a turn and reads without that space."""
-    words = codec.text_ids(" is not")
-    assert codec.decode(words[:1]).startswith(" ") or codec.decode(words).startswith(" ")
+    words = tokenizer.text_ids(" is not")
+    assert tokenizer.decode(words[:1]).startswith(" ") or tokenizer.decode(words).startswith(" ")
     fake.script = words
     response = client.post(
         "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 3}
@@ -155,8 +155,8 @@ def test_a_completion_keeps_the_space_its_first_token_starts_with(
     assert response.status_code == 200, response.text
     text = response.json()["choices"][0]["text"]
     assert text.startswith(" is not"), text
-    streamed = codec.continuation_detokenizer()
-    plain = codec.detokenizer()
+    streamed = tokenizer.continuation_detokenizer()
+    plain = tokenizer.detokenizer()
     for token in words:
         streamed.add_token(token)
         plain.add_token(token)
@@ -302,7 +302,7 @@ def assert_anthropic_error(response, status: int, kind: str) -> str:  # type: ig
 
 
 def test_anthropic_routes_answer_every_error_in_their_shape(
-    client: TestClient, codec: Codec
+    client: TestClient, tokenizer: FrontTokenizer
 ) -> None:
     """Not only the route's own errors: the body limit's, Starlette's 404 and 405, a bug's."""
     big = {**ANTHROPIC, "messages": [{"role": "user", "content": "x" * 5000}]}
@@ -313,7 +313,7 @@ def test_anthropic_routes_answer_every_error_in_their_shape(
         client.post("/v1/messages/nothing", json=ANTHROPIC), 404, "not_found_error"
     )
     buggy = FakeBackend("primary", crash=True)
-    runtime = make_runtime(codec, [buggy])
+    runtime = make_runtime(tokenizer, [buggy])
     buggy.up()
     with TestClient(create_app(runtime), raise_server_exceptions=False) as crashing:
         message = assert_anthropic_error(
@@ -354,9 +354,9 @@ def test_a_lone_surrogate_is_400_naming_its_field(
     assert fake.calls == []
 
 
-def test_queue_full_is_429_with_retry_after(codec: Codec) -> None:
+def test_queue_full_is_429_with_retry_after(tokenizer: FrontTokenizer) -> None:
     slow = FakeBackend("primary", delay_s=0.2)
-    runtime = make_runtime(codec, [slow], max_queue=0)
+    runtime = make_runtime(tokenizer, [slow], max_queue=0)
     slow.up()
     with TestClient(create_app(runtime)) as client:
         # max_running is 2 and the queue holds none: a third concurrent request is refused.
@@ -376,10 +376,10 @@ def test_queue_full_is_429_with_retry_after(codec: Codec) -> None:
             stream.__exit__(None, None, None)
 
 
-def test_no_healthy_backend_is_503_with_retry_after(codec: Codec) -> None:
+def test_no_healthy_backend_is_503_with_retry_after(tokenizer: FrontTokenizer) -> None:
     down = FakeBackend("primary")
     runtime = make_runtime(
-        codec, [down], retry_attempts=2, retry_backoff_s=0.01, restart_wait_s=0.1
+        tokenizer, [down], retry_attempts=2, retry_backoff_s=0.01, restart_wait_s=0.1
     )
     down.up()
     down.fail()
@@ -390,9 +390,9 @@ def test_no_healthy_backend_is_503_with_retry_after(codec: Codec) -> None:
         assert client.get("/ready").status_code == 503
 
 
-def test_internal_error_is_500_without_internals(codec: Codec) -> None:
+def test_internal_error_is_500_without_internals(tokenizer: FrontTokenizer) -> None:
     buggy = FakeBackend("primary", crash=True)
-    runtime = make_runtime(codec, [buggy])
+    runtime = make_runtime(tokenizer, [buggy])
     buggy.up()
     with TestClient(create_app(runtime), raise_server_exceptions=False) as client:
         response = client.post("/v1/chat/completions", json=CHAT)
@@ -401,9 +401,9 @@ def test_internal_error_is_500_without_internals(codec: Codec) -> None:
         assert "fake bug" not in response.text
 
 
-def test_backend_rejection_is_502_and_not_retried(codec: Codec) -> None:
+def test_backend_rejection_is_502_and_not_retried(tokenizer: FrontTokenizer) -> None:
     picky = FakeBackend("primary", reject=True)
-    runtime = make_runtime(codec, [picky])
+    runtime = make_runtime(tokenizer, [picky])
     picky.up()
     with TestClient(create_app(runtime)) as client:
         assert_error(client.post("/v1/chat/completions", json=CHAT), 502)

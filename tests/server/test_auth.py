@@ -6,15 +6,15 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
 
 
 @pytest.fixture
-def secured(codec: Codec, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
+def secured(tokenizer: FrontTokenizer, monkeypatch: pytest.MonkeyPatch) -> Iterator[TestClient]:
     monkeypatch.setenv("MLXSERVE_API_KEY", "env-key")
-    runtime = make_runtime(codec, [FakeBackend("primary").up()], api_keys=["k1", "k2"])
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()], api_keys=["k1", "k2"])
     with TestClient(create_app(runtime)) as client:
         yield client
 

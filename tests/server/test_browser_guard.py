@@ -12,7 +12,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import TEST_CLIENT_HOST, make_runtime
 from tests.server.fakes import FakeBackend
 from tests.server.front import running_front
@@ -22,14 +22,14 @@ MESSAGES = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "m
 JSON = {"content-type": "application/json"}
 
 
-def client_of(codec: Codec, **server: Any) -> TestClient:
-    runtime = make_runtime(codec, [FakeBackend("primary").up()], **server)
+def client_of(tokenizer: FrontTokenizer, **server: Any) -> TestClient:
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()], **server)
     return TestClient(create_app(runtime), raise_server_exceptions=False)
 
 
 @pytest.fixture
-def keyless(codec: Codec) -> TestClient:
-    return client_of(codec)
+def keyless(tokenizer: FrontTokenizer) -> TestClient:
+    return client_of(tokenizer)
 
 
 def openai_error(response: Any, status: int) -> dict[str, Any]:
@@ -94,13 +94,13 @@ def test_addresses_and_loopback_names_pass(keyless: TestClient, host: str) -> No
     assert response.status_code == 200, response.text
 
 
-def test_the_bind_host_and_allowed_hosts_pass(codec: Codec) -> None:
-    client = client_of(codec, host="mlx.lan", allowed_hosts=["*.corp.example", "box"])
+def test_the_bind_host_and_allowed_hosts_pass(tokenizer: FrontTokenizer) -> None:
+    client = client_of(tokenizer, host="mlx.lan", allowed_hosts=["*.corp.example", "box"])
     for host in ("mlx.lan:8000", "gpu.corp.example", "box:80"):
         assert client.get("/health", headers={"host": host}).status_code == 200, host
     for host in ("corp.example", "evil-corp.example", "boxes"):
         assert client.get("/health", headers={"host": host}).status_code == 421, host
-    anyone = client_of(codec, allowed_hosts=["*"])
+    anyone = client_of(tokenizer, allowed_hosts=["*"])
     assert anyone.get("/health", headers={"host": "whatever.example"}).status_code == 200
 
 
@@ -114,8 +114,8 @@ def test_a_foreign_origin_is_403(keyless: TestClient, origin: str) -> None:
     assert (error["param"], error["code"]) == ("origin", "origin_not_allowed")
 
 
-def test_the_servers_own_origin_and_allowed_origins_pass(codec: Codec) -> None:
-    keyless = client_of(codec, allowed_origins=["http://localhost:3000/"])
+def test_the_servers_own_origin_and_allowed_origins_pass(tokenizer: FrontTokenizer) -> None:
+    keyless = client_of(tokenizer, allowed_origins=["http://localhost:3000/"])
     for origin in (f"http://{TEST_CLIENT_HOST}", "http://localhost:3000"):
         response = keyless.post("/v1/chat/completions", json=CHAT, headers={"origin": origin})
         assert response.status_code == 200, origin
@@ -128,9 +128,9 @@ def test_the_servers_own_origin_and_allowed_origins_pass(codec: Codec) -> None:
 # -- with a key -----------------------------------------------------------------------------
 
 
-def test_with_an_api_key_the_checks_are_off(codec: Codec) -> None:
+def test_with_an_api_key_the_checks_are_off(tokenizer: FrontTokenizer) -> None:
     """A page cannot make an authorised request; a proxy's own Host name keeps working."""
-    client = client_of(codec, api_keys=["k1"])
+    client = client_of(tokenizer, api_keys=["k1"])
     headers = {
         "authorization": "Bearer k1",
         "host": "api.example",
@@ -146,8 +146,8 @@ def test_with_an_api_key_the_checks_are_off(codec: Codec) -> None:
 # -- the clients people use, over real sockets ------------------------------------------------
 
 
-def test_the_sdks_and_curl_style_requests_pass(codec: Codec) -> None:
-    runtime = make_runtime(codec, [FakeBackend("primary").up()])
+def test_the_sdks_and_curl_style_requests_pass(tokenizer: FrontTokenizer) -> None:
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()])
     with running_front(runtime) as (host, port):
         base = f"http://{host}:{port}"
         chat = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)

@@ -17,11 +17,12 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.models.demo.build import WEIGHTS_DIR
 from mlxserve.models.demo.deepseek_format import _write_tokenizer
 from mlxserve.server.app import create_app
-from mlxserve.server.backends.base import BackendEvent, Finished, GenerationParams, Tokens
-from mlxserve.server.codec import Codec
+from mlxserve.server.backends.base import BackendEvent, Finished, Tokens
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
 
@@ -40,16 +41,16 @@ ASK = [{"role": "user", "content": "Weather?"}]
 class ScriptedBackend(FakeBackend):
     """Answers every request with the tokens of ``script`` (and EOS)."""
 
-    def __init__(self, codec: Codec) -> None:
+    def __init__(self, tokenizer: FrontTokenizer) -> None:
         super().__init__("primary", context_length=4096)
-        self.codec = codec
+        self.tokenizer = tokenizer
         self.script = ""
 
     async def generate(
         self, request_id: str, params: GenerationParams
     ) -> AsyncGenerator[BackendEvent, None]:
         self.calls.append(params)
-        ids = self.codec.text_ids(self.script)[: params.max_tokens]
+        ids = self.tokenizer.text_ids(self.script)[: params.max_tokens]
         for token in ids:
             yield Tokens((token,))
         reason = "length" if len(ids) == params.max_tokens else "stop"
@@ -57,17 +58,17 @@ class ScriptedBackend(FakeBackend):
 
 
 @pytest.fixture(scope="module")
-def dsv4_codec(tmp_path_factory: pytest.TempPathFactory) -> Codec:
+def dsv4_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> FrontTokenizer:
     directory: Path = tmp_path_factory.mktemp("dsv4-tokenizer")
     _write_tokenizer(WEIGHTS_DIR, directory)
     (directory / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    return Codec.load(directory)
+    return FrontTokenizer.load(directory)
 
 
 @pytest.fixture
-def scripted(dsv4_codec: Codec) -> Iterator[tuple[TestClient, ScriptedBackend]]:
-    backend = ScriptedBackend(dsv4_codec)
-    runtime = make_runtime(dsv4_codec, [backend])
+def scripted(dsv4_tokenizer: FrontTokenizer) -> Iterator[tuple[TestClient, ScriptedBackend]]:
+    backend = ScriptedBackend(dsv4_tokenizer)
+    runtime = make_runtime(dsv4_tokenizer, [backend])
     backend.up()
     with TestClient(create_app(runtime), raise_server_exceptions=False) as client:
         yield client, backend

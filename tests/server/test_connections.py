@@ -14,8 +14,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
 from mlxserve.commands.serve import bind
-from mlxserve.server.codec import Codec
 from mlxserve.server.connections import FrontH11Protocol
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
 from tests.server.front import (
@@ -82,9 +82,9 @@ def test_the_fronts_connections_have_nagle_off() -> None:
 
 
 @pytest.fixture
-def front(codec: Codec) -> Iterator[tuple[str, int]]:
+def front(tokenizer: FrontTokenizer) -> Iterator[tuple[str, int]]:
     runtime = make_runtime(
-        codec,
+        tokenizer,
         [FakeBackend("primary").up()],
         header_timeout_s=TIMEOUT_S,
         body_timeout_s=TIMEOUT_S,
@@ -227,8 +227,8 @@ def test_kept_alive_connections_are_timed_per_request(front: tuple[str, int]) ->
 # -- the cap --------------------------------------------------------------------------------
 
 
-def test_connections_past_the_cap_get_503_and_are_closed(codec: Codec) -> None:
-    runtime = make_runtime(codec, [FakeBackend("primary").up()], max_connections=2)
+def test_connections_past_the_cap_get_503_and_are_closed(tokenizer: FrontTokenizer) -> None:
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()], max_connections=2)
     with running_front(runtime) as address:
         held = [connect(address) for _ in range(2)]
         try:

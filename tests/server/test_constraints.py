@@ -6,16 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from mlxserve.chat import Function
+from mlxserve.chat.call_grammar import ToolStyle
 from mlxserve.engine.sample.grammar import Grammar, Grammars
-from mlxserve.server.codec import Codec
 from mlxserve.server.constraints import (
-    ToolStyle,
     after_reasoning,
     forced_tool_grammar,
     response_format_grammar,
 )
 from mlxserve.server.errors import InvalidRequest
-from mlxserve.server.protocol import FunctionDefinition, ResponseFormat
+from mlxserve.server.protocol import ResponseFormat
+from mlxserve.server.tokenizer import FrontTokenizer
 
 DEMO = Path(__file__).resolve().parents[2] / "mlxserve" / "models" / "demo" / "weights"
 
@@ -28,53 +29,53 @@ def grammars() -> Grammars:
     return Grammars(tokenizer, len(tokenizer))
 
 
-def takes(grammar: Grammar, codec: Codec, text: str) -> bool:
+def takes(grammar: Grammar, tokenizer: FrontTokenizer, text: str) -> bool:
     """Whether the grammar lets every token of ``text`` through, in order."""
-    for token in codec.text_ids(text):
+    for token in tokenizer.text_ids(text):
         if not bool(grammar.mask()[token]):
             return False
         grammar.accept(token)
     return True
 
 
-def test_schema_and_tool_grammars(grammars: Grammars, codec: Codec) -> None:
+def test_schema_and_tool_grammars(grammars: Grammars, tokenizer: FrontTokenizer) -> None:
     schema = {"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]}
     fmt = ResponseFormat.model_validate(
         {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
     )
-    grammar = response_format_grammar(fmt, codec)
+    grammar = response_format_grammar(fmt, tokenizer)
     assert grammar is not None
-    assert takes(grammars.compile(grammar), codec, '{"a":"x"}')
-    assert not takes(grammars.compile(grammar), codec, '{"a":"y"}')
-    assert not takes(grammars.compile(grammar), codec, '{ "a": "x"}')  # compact only
-    tool = FunctionDefinition(name="f", parameters=schema)
+    assert takes(grammars.compile(grammar), tokenizer, '{"a":"x"}')
+    assert not takes(grammars.compile(grammar), tokenizer, '{"a":"y"}')
+    assert not takes(grammars.compile(grammar), tokenizer, '{ "a": "x"}')  # compact only
+    tool = Function(name="f", parameters=schema)
     call = '<tool_call>{"name":"f","arguments":{"a":"x"}}</tool_call>'
-    one = forced_tool_grammar("json_tools", [("tools.0", tool)], False, codec)
-    assert takes(compiled := grammars.compile(one), codec, call) and compiled.finished
-    assert not takes(grammars.compile(one), codec, "Sure: " + call)
-    both = forced_tool_grammar("json_tools", [("tools.0", tool)], True, codec)
-    assert takes(grammars.compile(both), codec, call * 2)
+    one = forced_tool_grammar("json_tools", [("tools.0", tool)], False, tokenizer)
+    assert takes(compiled := grammars.compile(one), tokenizer, call) and compiled.finished
+    assert not takes(grammars.compile(one), tokenizer, "Sure: " + call)
+    both = forced_tool_grammar("json_tools", [("tools.0", tool)], True, tokenizer)
+    assert takes(grammars.compile(both), tokenizer, call * 2)
 
 
-def test_thinking_then_the_grammar(grammars: Grammars, codec: Codec) -> None:
+def test_thinking_then_the_grammar(grammars: Grammars, tokenizer: FrontTokenizer) -> None:
     fmt = ResponseFormat.model_validate({"type": "json_object"})
-    inner = response_format_grammar(fmt, codec)
+    inner = response_format_grammar(fmt, tokenizer)
     assert inner is not None
-    grammar = grammars.compile(after_reasoning(inner, "</think>", codec, "response_format"))
-    assert takes(grammar, codec, 'Let me see: "quotes", {braces}\nand lines.</think>{"k":1}')
-    tool = FunctionDefinition(name="f")
-    forced = forced_tool_grammar("json_tools", [("tools.0", tool)], False, codec)
-    forced = after_reasoning(forced, "</think>", codec, "tools")
+    grammar = grammars.compile(after_reasoning(inner, "</think>", tokenizer, "response_format"))
+    assert takes(grammar, tokenizer, 'Let me see: "quotes", {braces}\nand lines.</think>{"k":1}')
+    tool = Function(name="f")
+    forced = forced_tool_grammar("json_tools", [("tools.0", tool)], False, tokenizer)
+    forced = after_reasoning(forced, "</think>", tokenizer, "tools")
     call = '<tool_call>{"name":"f","arguments":{}}</tool_call>'
-    assert takes(grammars.compile(forced), codec, "hmm</think>" + call)
+    assert takes(grammars.compile(forced), tokenizer, "hmm</think>" + call)
 
 
-def test_bad_schemas_are_400(codec: Codec) -> None:
+def test_bad_schemas_are_400(tokenizer: FrontTokenizer) -> None:
     bad = ResponseFormat.model_validate(
         {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}
     )
     with pytest.raises(InvalidRequest) as caught:
-        response_format_grammar(bad, codec)
+        response_format_grammar(bad, tokenizer)
     assert caught.value.param == "response_format.json_schema.schema"
     assert json.dumps(caught.value.body())
 
@@ -89,13 +90,13 @@ DEEP = {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}, "$defs": R
 
 @pytest.mark.parametrize("schema", [RECURSIVE, UNSATISFIABLE, DEEP])
 def test_a_schema_no_answer_can_follow_is_400_naming_it(
-    codec: Codec, schema: dict[str, object]
+    tokenizer: FrontTokenizer, schema: dict[str, object]
 ) -> None:
     fmt = ResponseFormat.model_validate(
         {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
     )
     with pytest.raises(InvalidRequest) as caught:
-        response_format_grammar(fmt, codec)
+        response_format_grammar(fmt, tokenizer)
     assert caught.value.param == "response_format.json_schema.schema"
     assert caught.value.status == 400
 
@@ -103,9 +104,9 @@ def test_a_schema_no_answer_can_follow_is_400_naming_it(
 @pytest.mark.parametrize("style", ["json_tools", "dsml"])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_a_forced_tool_whose_schema_cannot_be_enforced_is_named(
-    codec: Codec, style: ToolStyle, parallel: bool
+    tokenizer: FrontTokenizer, style: ToolStyle, parallel: bool
 ) -> None:
-    good = FunctionDefinition(name="good", parameters={"type": "object", "properties": {}})
+    good = Function(name="good", parameters={"type": "object", "properties": {}})
     loop = {"$ref": "#/$defs/a"}
     for parameters in [
         # The recursion under an optional key: llguidance lets the key be written.
@@ -116,18 +117,20 @@ def test_a_forced_tool_whose_schema_cannot_be_enforced_is_named(
         {"type": "object", "properties": {"x": loop}},
         RECURSIVE,
     ]:
-        bad = FunctionDefinition(name="bad", parameters=parameters)
+        bad = Function(name="bad", parameters=parameters)
         tools = [("tools.0.function.parameters", good), ("tools.3.function.parameters", bad)]
         with pytest.raises(InvalidRequest) as caught:
-            forced_tool_grammar(style, tools, parallel, codec)
+            forced_tool_grammar(style, tools, parallel, tokenizer)
         assert caught.value.param == "tools.3.function.parameters", parameters
-    assert forced_tool_grammar(style, tools[:1], parallel, codec)  # the good one alone is fine
+    assert forced_tool_grammar(style, tools[:1], parallel, tokenizer)  # the good one alone is fine
 
 
-def test_the_grammar_check_does_not_refuse_a_schema_that_only_recurses(codec: Codec) -> None:
+def test_the_grammar_check_does_not_refuse_a_schema_that_only_recurses(
+    tokenizer: FrontTokenizer,
+) -> None:
     """A tree (a ``$ref`` under an optional key) has finite values: it is enforced."""
     tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}
     fmt = ResponseFormat.model_validate(
         {"type": "json_schema", "json_schema": {"name": "tree", "schema": tree}}
     )
-    assert response_format_grammar(fmt, codec) is not None
+    assert response_format_grammar(fmt, tokenizer) is not None

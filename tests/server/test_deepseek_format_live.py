@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from mlxserve.models.demo.deepseek_format import build_deepseek_format_demo
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.live import LiveServer
 
 pytestmark = pytest.mark.slow
@@ -100,10 +100,10 @@ def raw_completion(http: httpx.Client, model_dir: Path, ids: list[int], n: int) 
 def test_tokenize_gives_the_deepseek_prompt_and_its_exact_ids(
     http: httpx.Client, model_dir: Path
 ) -> None:
-    codec = Codec.load(model_dir)
+    tokenizer = FrontTokenizer.load(model_dir)
     thinking = tokenize(http, model_dir, messages=QUESTION)
     assert thinking["prompt"] == f"{B}{U}Python reference: for{A}<think>"
-    assert thinking["tokens"] == codec.text_ids(thinking["prompt"])
+    assert thinking["tokens"] == tokenizer.text_ids(thinking["prompt"])
     assert thinking["count"] == len(thinking["tokens"]) and thinking["max_model_len"] == 4096
     chat = tokenize(http, model_dir, messages=QUESTION, thinking={"type": "disabled"})
     assert chat["prompt"] == f"{B}{U}Python reference: for{A}</think>"
@@ -112,7 +112,7 @@ def test_tokenize_gives_the_deepseek_prompt_and_its_exact_ids(
     effort = tokenize(http, model_dir, messages=QUESTION, reasoning_effort="max")
     assert effort["prompt"].startswith(f"{B}Reasoning Effort: Absolute maximum")
     completion = tokenize(http, model_dir, prompt="The for statement")
-    assert completion["tokens"] == codec.text_ids("The for statement")
+    assert completion["tokens"] == tokenizer.text_ids("The for statement")
     back = http.post("/detokenize", json={"model": str(model_dir), "tokens": thinking["tokens"]})
     assert back.json() == {"prompt": thinking["prompt"]}
 

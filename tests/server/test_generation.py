@@ -15,7 +15,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
 from tests.server.live import MODEL, LiveServer
@@ -23,18 +23,20 @@ from tests.server.live import MODEL, LiveServer
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}
 
 
-def failing_pair(codec: Codec, **fake: object) -> tuple[TestClient, FakeBackend, FakeBackend]:
+def failing_pair(
+    tokenizer: FrontTokenizer, **fake: object
+) -> tuple[TestClient, FakeBackend, FakeBackend]:
     """A primary whose first request fails a step after 3 tokens, and a healthy standby."""
     primary = FakeBackend("primary", fail_after=3, step_fails=True, **fake)  # type: ignore[arg-type]
     standby = FakeBackend("standby")
-    runtime = make_runtime(codec, [primary, standby], retry_attempts=4, retry_backoff_s=0.01)
+    runtime = make_runtime(tokenizer, [primary, standby], retry_attempts=4, retry_backoff_s=0.01)
     primary.up()
     standby.up()
     return TestClient(create_app(runtime)), primary, standby
 
 
-def test_a_failed_step_is_a_500_naming_it_and_not_retried(codec: Codec) -> None:
-    client, primary, standby = failing_pair(codec)
+def test_a_failed_step_is_a_500_naming_it_and_not_retried(tokenizer: FrontTokenizer) -> None:
+    client, primary, standby = failing_pair(tokenizer)
     with client:
         response = client.post("/v1/chat/completions", json=CHAT)
         assert response.status_code == 500, response.text
@@ -49,8 +51,8 @@ def test_a_failed_step_is_a_500_naming_it_and_not_retried(codec: Codec) -> None:
     assert len(primary.calls) == 2 and standby.calls == []
 
 
-def test_a_failed_step_in_a_stream_is_an_error_event_naming_it(codec: Codec) -> None:
-    client, _, standby = failing_pair(codec)
+def test_a_failed_step_in_a_stream_is_an_error_event_naming_it(tokenizer: FrontTokenizer) -> None:
+    client, _, standby = failing_pair(tokenizer)
     with client, client.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -60,8 +62,10 @@ def test_a_failed_step_in_a_stream_is_an_error_event_naming_it(codec: Codec) -> 
     assert standby.calls == []
 
 
-def test_anthropic_clients_read_a_request_failure_as_an_api_error(codec: Codec) -> None:
-    client, _, standby = failing_pair(codec)
+def test_anthropic_clients_read_a_request_failure_as_an_api_error(
+    tokenizer: FrontTokenizer,
+) -> None:
+    client, _, standby = failing_pair(tokenizer)
     body = {**CHAT, "max_tokens": 8}
     with client:
         response = client.post("/v1/messages", json=body)
@@ -70,10 +74,10 @@ def test_anthropic_clients_read_a_request_failure_as_an_api_error(codec: Codec) 
     assert standby.calls == []
 
 
-def test_the_other_rows_go_on(codec: Codec) -> None:
+def test_the_other_rows_go_on(tokenizer: FrontTokenizer) -> None:
     """Two requests in flight on one backend: the one whose step fails ends with its
     error; the other finishes, on the same backend."""
-    client, primary, standby = failing_pair(codec, delay_s=0.02)
+    client, primary, standby = failing_pair(tokenizer, delay_s=0.02)
     statuses: list[int] = []
     with client:
         threads = [
@@ -92,10 +96,10 @@ def test_the_other_rows_go_on(codec: Codec) -> None:
     assert len(primary.calls) == 2 and standby.calls == []
 
 
-def test_a_backend_failure_still_resumes_elsewhere(codec: Codec) -> None:
+def test_a_backend_failure_still_resumes_elsewhere(tokenizer: FrontTokenizer) -> None:
     primary = FakeBackend("primary", fail_after=3)
     standby = FakeBackend("standby")
-    runtime = make_runtime(codec, [primary, standby], retry_attempts=4, retry_backoff_s=0.01)
+    runtime = make_runtime(tokenizer, [primary, standby], retry_attempts=4, retry_backoff_s=0.01)
     primary.up()
     standby.up()
     with TestClient(create_app(runtime)) as client:
@@ -104,10 +108,10 @@ def test_a_backend_failure_still_resumes_elsewhere(codec: Codec) -> None:
     assert len(standby.calls) == 1
 
 
-def test_a_schema_no_answer_can_follow_never_takes_a_slot(codec: Codec) -> None:
+def test_a_schema_no_answer_can_follow_never_takes_a_slot(tokenizer: FrontTokenizer) -> None:
     """Refused before admission, naming the field: no backend sees it."""
     engine = FakeBackend("primary")
-    runtime = make_runtime(codec, [engine])
+    runtime = make_runtime(tokenizer, [engine])
     engine.up()
     loop = {"$ref": "#/$defs/a"}
     schema = {"type": "object", "properties": {"x": loop}, "$defs": {"a": loop}}

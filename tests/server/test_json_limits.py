@@ -9,9 +9,9 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.json_limits import loads
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
 from tests.server.front import connect, post, read_response, running_front
@@ -88,8 +88,8 @@ def test_megabytes_parse_fast() -> None:
 
 
 @pytest.fixture
-def roomy(codec: Codec) -> TestClient:
-    runtime = make_runtime(codec, [FakeBackend("primary").up()], max_body_bytes=1 << 20)
+def roomy(tokenizer: FrontTokenizer) -> TestClient:
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()], max_body_bytes=1 << 20)
     return TestClient(create_app(runtime), raise_server_exceptions=False)
 
 
@@ -122,8 +122,8 @@ def test_the_messages_route_answers_400_in_anthropic_shape(roomy: TestClient) ->
     assert body["error"]["message"].startswith("messages.0.0")
 
 
-def test_the_limits_are_settings(codec: Codec) -> None:
-    runtime = make_runtime(codec, [FakeBackend("primary").up()], max_json_depth=8)
+def test_the_limits_are_settings(tokenizer: FrontTokenizer) -> None:
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()], max_json_depth=8)
     client = TestClient(create_app(runtime), raise_server_exceptions=False)
     eight = {**CHAT, "metadata": {"a": {"b": {"c": {"d": {"e": {"f": {}}}}}}}}  # f: level 8
     assert client.post("/v1/chat/completions", json=eight).status_code == 200
@@ -133,9 +133,9 @@ def test_the_limits_are_settings(codec: Codec) -> None:
     assert response.json()["error"]["param"] == "metadata.a.b.c.d.e.f.g"
 
 
-def test_a_refused_body_keeps_the_connection(codec: Codec) -> None:
+def test_a_refused_body_keeps_the_connection(tokenizer: FrontTokenizer) -> None:
     """Over a real socket: the 400 comes, and the same connection serves the next request."""
-    runtime = make_runtime(codec, [FakeBackend("primary").up()], max_body_bytes=1 << 20)
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()], max_body_bytes=1 << 20)
     with running_front(runtime) as address, connect(address) as sock:
         for raw in (deep_chat(), long_number_chat()):
             sock.sendall(post("/v1/chat/completions", raw))

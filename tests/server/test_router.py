@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.server.backends.base import (
     BackendRejected,
     BackendRequestFailed,
     BackendUnavailable,
-    GenerationParams,
     Tokens,
 )
 from mlxserve.server.metrics import Metrics

@@ -8,9 +8,9 @@ from starlette.testclient import TestClient
 
 from mlxserve.config import Settings
 from mlxserve.hardware.simulate import parse_cluster_spec
-from mlxserve.policy.build import build_plan
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
+from mlxserve.startup.plan import build_plan
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
 
@@ -26,9 +26,9 @@ def mixed_plan() -> dict[str, Any]:
 
 
 @pytest.fixture
-def status_client(codec: Codec, mixed_plan: dict[str, Any]) -> Iterator[TestClient]:
+def status_client(tokenizer: FrontTokenizer, mixed_plan: dict[str, Any]) -> Iterator[TestClient]:
     primary = FakeBackend("primary", plan=mixed_plan).up()
-    runtime = make_runtime(codec, [primary, FakeBackend("spare").up()])
+    runtime = make_runtime(tokenizer, [primary, FakeBackend("spare").up()])
     with TestClient(create_app(runtime), raise_server_exceptions=False) as client:
         yield client
 
@@ -72,27 +72,27 @@ def test_unknown_format_is_a_400(status_client: TestClient) -> None:
     assert response.json()["error"]["param"] == "format"
 
 
-def test_values_are_escaped(codec: Codec) -> None:
+def test_values_are_escaped(tokenizer: FrontTokenizer) -> None:
     evil = "<script>x</script>"
     decision = {"value": evil, "rule": evil, "reason": f'" onmouseover="{evil}'}
     rank = {"rank": 0, "profile": {"chip": evil}, "decisions": {evil: decision, "odd": 3}}
     plan = {"plan_hash": "x", "ranks": [rank]}
-    runtime = make_runtime(codec, [FakeBackend("primary", plan=plan).up()])
+    runtime = make_runtime(tokenizer, [FakeBackend("primary", plan=plan).up()])
     with TestClient(create_app(runtime)) as client:
         page = client.get("/status").text
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert '" onmouseover' not in page and "odd = <b>3</b>" in page
 
 
-def test_without_a_plan_the_page_says_so(codec: Codec) -> None:
-    runtime = make_runtime(codec, [FakeBackend("primary").up()])
+def test_without_a_plan_the_page_says_so(tokenizer: FrontTokenizer) -> None:
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()])
     with TestClient(create_app(runtime)) as client:
         assert "no engine has reported a plan yet" in client.get("/status").text
         assert client.get("/status?format=json").json()["plan"] is None
 
 
-def test_guarded_when_keys_are_set(codec: Codec) -> None:
-    runtime = make_runtime(codec, [FakeBackend("primary").up()], api_keys=["k1"])
+def test_guarded_when_keys_are_set(tokenizer: FrontTokenizer) -> None:
+    runtime = make_runtime(tokenizer, [FakeBackend("primary").up()], api_keys=["k1"])
     with TestClient(create_app(runtime)) as client:
         assert client.get("/status").status_code == 401
         assert client.get("/status", headers={"Authorization": "Bearer k1"}).status_code == 200

@@ -8,15 +8,13 @@ demo write the call, is in ``test_structured_live.py``.
 
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import openai
 import pytest
 from starlette.testclient import TestClient
 
-from mlxserve.models.tool_calls import MarkedToolParser, ParsedToolCall, Text
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.test_chat_tools import ScriptedBackend
 
@@ -34,32 +32,12 @@ CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool
 
 
 @pytest.fixture
-def scripted(codec: Codec) -> Iterator[tuple[TestClient, ScriptedBackend]]:
-    backend = ScriptedBackend(codec)
-    runtime = make_runtime(codec, [backend])
+def scripted(tokenizer: FrontTokenizer) -> Iterator[tuple[TestClient, ScriptedBackend]]:
+    backend = ScriptedBackend(tokenizer)
+    runtime = make_runtime(tokenizer, [backend])
     backend.up()
     with TestClient(create_app(runtime), raise_server_exceptions=False) as client:
         yield client, backend
-
-
-def test_the_parser_streams_text_and_holds_calls_until_they_end() -> None:
-    parser = MarkedToolParser("<tool_call>", "</tool_call>", lambda t, _: json.loads(t), None)
-    pieces: list[Any] = []
-    for i in range(0, len("Sure. " + CALL + " done"), 3):
-        pieces += parser.push(("Sure. " + CALL + " done")[i : i + 3])
-    pieces += parser.finish()
-    text = "".join(p.text for p in pieces if isinstance(p, Text))
-    [call] = [p for p in pieces if isinstance(p, ParsedToolCall)]
-    assert text == "Sure.  done"
-    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
-    broken = MarkedToolParser("<tool_call>", "</tool_call>", lambda t, _: json.loads(t), None)
-    out = broken.push("<tool_call>{not json</tool_call>") + broken.finish()
-    assert [(o.text, o.malformed) for o in out if isinstance(o, Text)] == [
-        ("<tool_call>{not json</tool_call>", True)
-    ]
-    unclosed = MarkedToolParser("<tool_call>", "</tool_call>", lambda t, _: json.loads(t), None)
-    assert unclosed.push("<tool_call>{") == []
-    assert unclosed.finish() == [Text("<tool_call>{", malformed=True)]
 
 
 def test_history_with_calls_and_results_goes_through_the_template(

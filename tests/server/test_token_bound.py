@@ -8,22 +8,22 @@ from starlette.testclient import TestClient
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
 from mlxserve.server.token_bound import UNICODE_SHRINK, bytes_per_token, min_tokens
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
 
 LONGEST = "-----------+--------------------------------"  # the demo's longest token
 
 
-def test_the_demo_bound_is_its_longest_token(codec: Codec) -> None:
-    assert codec.bytes_per_token == len(LONGEST)
+def test_the_demo_bound_is_its_longest_token(tokenizer: FrontTokenizer) -> None:
+    assert tokenizer.bytes_per_token == len(LONGEST)
     # Tight: a text made of the longest token has exactly the bound's count.
     text = LONGEST * 50
-    assert codec.min_tokens(text) == len(codec.text_ids(text)) == 50
+    assert tokenizer.min_tokens(text) == len(tokenizer.text_ids(text)) == 50
 
 
-def test_the_bound_never_exceeds_the_real_count(codec: Codec) -> None:
+def test_the_bound_never_exceeds_the_real_count(tokenizer: FrontTokenizer) -> None:
     rng = random.Random(0)
     texts = [
         " " * 3000,
@@ -34,7 +34,7 @@ def test_the_bound_never_exceeds_the_real_count(codec: Codec) -> None:
         "".join(rng.choice(["-", "+", "=", " ", "\n", "a"]) for _ in range(4000)),
     ]
     for text in texts:
-        assert 0 < codec.min_tokens(text) <= len(codec.text_ids(text)), text[:40]
+        assert 0 < tokenizer.min_tokens(text) <= len(tokenizer.text_ids(text)), text[:40]
 
 
 def bpe(**parts: Any) -> Tokenizer:
@@ -100,17 +100,17 @@ def test_min_tokens_counts_utf8_bytes() -> None:
 
 
 @pytest.fixture
-def big_client(codec: Codec, monkeypatch: pytest.MonkeyPatch) -> TestClient:
+def big_client(tokenizer: FrontTokenizer, monkeypatch: pytest.MonkeyPatch) -> TestClient:
     """An app whose tokenizer must not be asked to encode a huge text."""
     fake = FakeBackend("primary", context_length=256).up()
-    runtime = make_runtime(codec, [fake], max_body_bytes=1 << 20)
-    encode = codec.text_ids
+    runtime = make_runtime(tokenizer, [fake], max_body_bytes=1 << 20)
+    encode = tokenizer.text_ids
 
     def guarded(text: str) -> list[int]:
         assert len(text) < 100_000, "a prompt refused by its size was tokenized"
         return encode(text)
 
-    monkeypatch.setattr(codec, "text_ids", guarded)
+    monkeypatch.setattr(tokenizer, "text_ids", guarded)
     return TestClient(create_app(runtime), raise_server_exceptions=False)
 
 
@@ -144,12 +144,14 @@ def test_a_prompt_too_large_is_refused_untokenized(
     assert "at least" in error["message"] and "context is 256" in error["message"]
 
 
-def test_counting_routes_still_count_a_long_prompt(big_client: TestClient, codec: Codec) -> None:
+def test_counting_routes_still_count_a_long_prompt(
+    big_client: TestClient, tokenizer: FrontTokenizer
+) -> None:
     """/tokenize and count_tokens generate nothing: the prompt is counted, whatever its size."""
     text = "Python reference. " * 1000  # 18 kB: over the bound of a 256-token context
     response = big_client.post("/tokenize", json={"model": "demo", "prompt": text})
     assert response.status_code == 200, response.text
-    assert response.json()["count"] == len(codec.text_ids(text)) > 256
+    assert response.json()["count"] == len(tokenizer.text_ids(text)) > 256
     count = big_client.post(
         "/v1/messages/count_tokens",
         json={"model": "demo", "messages": [{"role": "user", "content": text}]},

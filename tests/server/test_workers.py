@@ -9,8 +9,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlxserve.server.app import create_app
-from mlxserve.server.codec import Codec
 from mlxserve.server.errors import QueueFull
+from mlxserve.server.tokenizer import FrontTokenizer
 from mlxserve.server.workers import Workers
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
@@ -114,20 +114,20 @@ def test_shutdown_refuses_new_work() -> None:
 
 
 def test_a_request_past_the_bound_gets_the_apis_429(
-    codec: Codec, monkeypatch: pytest.MonkeyPatch
+    tokenizer: FrontTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two requests tokenizing and max_running + max_queue (2) waiting: the next is a 429."""
     fake = FakeBackend("primary").up()
-    runtime = make_runtime(codec, [fake], max_queue=0)
+    runtime = make_runtime(tokenizer, [fake], max_queue=0)
     gate, entered = threading.Event(), threading.Semaphore(0)
-    encode = codec.text_ids
+    encode = tokenizer.text_ids
 
     def held(text: str) -> list[int]:
         entered.release()
         gate.wait(10)
         return encode(text)
 
-    monkeypatch.setattr(codec, "text_ids", held)
+    monkeypatch.setattr(tokenizer, "text_ids", held)
     body = {"model": "demo", "prompt": "Hello", "max_tokens": 1}
     with (
         TestClient(create_app(runtime), raise_server_exceptions=False) as client,

@@ -1,1 +1,1 @@
-"""The engine's heart: the loop, the scheduler, its requests and the step plan."""
+"""The engine's heart: the engine, the scheduler, its requests and the step."""

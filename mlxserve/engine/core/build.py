@@ -1,4 +1,5 @@
-"""Assemble an engine from settings and a plan: load, apply the kernel policy, pick the adapter."""
+"""Assemble an engine from settings and a plan: load, apply the kernel policy, pick the
+adapter, and resolve the tuning for this device."""
 
 import logging
 from dataclasses import dataclass
@@ -7,10 +8,11 @@ from typing import Any, Literal
 import mlx.core as mx
 
 from mlxserve.config import Settings
-from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import ModelAdapter, PlainAdapter
 from mlxserve.engine.sample.grammar import Grammars
 from mlxserve.engine.spec.mtp import MAX_DRAFT_DEPTH, MTPAdapter
+from mlxserve.hardware.tuning import EngineTuning, tuning_for
 from mlxserve.policy.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -74,33 +76,40 @@ def load_for_serving(settings: Settings, plan: Plan, rank: int, group: Any = Non
     return LoadedModel(model, tokenizer, adapter_for(model, depth), depth)
 
 
-#: How the draft depth follows the batch size: alone, the configured depth (with
-#: "auto", the one the depth chooser picks per round); up to
-#: SPECULATIVE_BATCH requests draft together at SPECULATIVE_BATCH_DEPTH; larger
-#: batches decode plainly. Measured on the demo (2 CPU cores, greedy): drafting
-#: together gave 1.6x a plain batch at 2 requests, par at 4 and less at 8.
-SPECULATIVE_BATCH = 2
-SPECULATIVE_BATCH_DEPTH = 2
+def engine_tuning(settings: Settings) -> EngineTuning:
+    """The knobs of the device this engine computes on, with those `[engine.tuning]` sets."""
+    from mlxserve.hardware.device import default_device_type
+
+    configured = settings.engine.tuning.model_dump(exclude_none=True)
+    return tuning_for(default_device_type(), configured)
 
 
 def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> EngineConfig:
+    """The engine's config. How the draft depth follows the batch size: alone, the
+    configured depth (with "auto", the one the depth picker picks per round); up to the
+    tuning's `speculative_batch` requests draft together at its
+    `speculative_batch_depth`; larger batches decode plainly."""
     from mlxserve.hardware.probe import device_type, step_floor_s
 
     args = getattr(loaded.model, "args", None)
     experts = int(getattr(args, "n_routed_experts", 0) or 0)
     top_k = int(getattr(args, "num_experts_per_tok", 0) or 0)
     depth = loaded.speculative_depth
+    tuning = engine_tuning(settings)
+    log.info("engine tuning: %s", tuning)
     # An automatic depth chooses a lone request's rounds; a batch drafts at its fixed depth.
-    batch_depth = min(SPECULATIVE_BATCH_DEPTH, MAX_DRAFT_DEPTH if depth == "auto" else depth)
+    deepest = MAX_DRAFT_DEPTH if depth == "auto" else depth
+    batch_depth = min(tuning.speculative_batch_depth, deepest)
     return EngineConfig(
         max_running=settings.engine.max_running,
         prefill_step=plan.prefill_step_size(settings.engine.prefill_step, experts, top_k),
         speculative_depth=loaded.speculative_depth,
         prefix_cache_entries=settings.engine.prefix_cache_entries,
         prefix_cache_bytes=settings.engine.prefix_cache_mb << 20,
-        max_speculative_batch=SPECULATIVE_BATCH,
+        max_speculative_batch=tuning.speculative_batch,
         batch_speculative_depth=batch_depth,
         step_floor_s=step_floor_s(device_type()),
+        tuning=tuning,
     )
 
 

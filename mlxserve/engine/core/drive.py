@@ -1,8 +1,9 @@
 """Run requests to completion on the calling thread.
 
-For callers that step the engine themselves instead of starting its thread,
-which the server does: single-shot ones (`mlxserve generate`, benchmarks) and
-the engine process's warm-up before it serves.
+For callers that step the engine themselves instead of running its loop
+(`mlxserve.engine.process.loop.EngineLoop`), which the engine process does
+while it serves: single-shot ones (`mlxserve generate`, benchmarks) and the
+engine process's warm-up before it serves.
 """
 
 import queue
@@ -10,8 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mlxserve.engine.core.engine import Engine, RequestStream
 from mlxserve.engine.core.request import Event, FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.core.stepper import Engine, RequestStream
 
 # A request cannot need more steps than this; a bound, not a budget.
 MAX_STEPS = 10_000_000

@@ -1,133 +1,52 @@
 """What a client asks the engine for, and what the engine sends back.
 
 These are plain records: the engine process turns them into JSON lines for
-the front process, so they carry only ids, numbers and strings.
+the front process, so they carry only ids, numbers and strings. What a request
+asks for is the channel's record (`mlxserve.channel.request`), held unchanged.
 """
 
-from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from mlxserve.channel.messages import Generate
+from mlxserve.channel.request import GenerationParams, TokenLogprob
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
-MAX_TOP_LOGPROBS = 20
-
-
-class SamplingFields(Protocol):
-    """The sampling fields beyond temperature, top_p and seed, wherever they travel
-    (the engine's `SamplingParams`, a backend's `GenerationParams`)."""
-
-    @property
-    def top_k(self) -> int: ...
-    @property
-    def min_p(self) -> float: ...
-    @property
-    def presence_penalty(self) -> float: ...
-    @property
-    def frequency_penalty(self) -> float: ...
-    @property
-    def repetition_penalty(self) -> float: ...
-    @property
-    def logit_bias(self) -> tuple[tuple[int, float], ...]: ...
-    @property
-    def logprobs(self) -> int | None: ...
-
-
-class Sampling(SamplingFields, Protocol):
-    """All of a request's sampling fields, temperature, top_p and seed included."""
-
-    @property
-    def temperature(self) -> float: ...
-    @property
-    def top_p(self) -> float: ...
-    @property
-    def seed(self) -> int | None: ...
-
-
-def only_temperature_top_p(fields: SamplingFields) -> bool:
-    """No field beyond temperature, top_p and seed asks for anything."""
-    return (
-        fields.top_k == 0
-        and fields.min_p == 0
-        and fields.presence_penalty == 0
-        and fields.frequency_penalty == 0
-        and fields.repetition_penalty == 1
-        and not fields.logit_bias
-        and fields.logprobs is None
-    )
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 is greedy; top_p, top_k and min_p filter the temperature-scaled
-    distribution; the penalties and ``logit_bias`` change the logits before all that.
-
-    ``logprobs``: None sends no log-probabilities; k >= 0 sends the chosen token's and
-    the k most likely alternatives'.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError("temperature must be >= 0")
-        if not 0 < self.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if self.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError("min_p must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise ValueError("repetition_penalty must be > 0")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def plain(self) -> bool:
-        """Only temperature and top_p: what batched and speculative decoding implement."""
-        return only_temperature_top_p(self)
-
-
 @dataclass(frozen=True)
 class GenerationRequest:
+    """One request as the engine runs it: the front's `GenerationParams`, unchanged,
+    under the request's id."""
+
     request_id: str
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: frozenset[int] = frozenset()
+    params: GenerationParams
     # None: the engine's configured depth (0 when the model has no MTP module).
     speculative_depth: int | None = None
-    #: An llguidance grammar (its JSON or Lark text) every generated token must follow.
-    grammar: str | None = None
-    #: Tokens at the end of the prompt that are the answer so far (a resumed request):
-    #: the grammar has read them and the penalties count them.
-    grammar_prefix: tuple[int, ...] = ()
 
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("the prompt must have at least one token")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+    @classmethod
+    def of(cls, message: Generate) -> GenerationRequest:
+        """The request a `generate` message asks for (the front's, or rank 0's)."""
+        return cls(message.id, message.params, message.speculative_depth)
+
+    def as_generate(self) -> Generate:
+        return Generate(
+            id=self.request_id, params=self.params, speculative_depth=self.speculative_depth
+        )
+
+    def with_seed(self, seed: int) -> GenerationRequest:
+        """This request drawing its samples from ``seed``."""
+        sampling = replace(self.params.sampling, seed=seed)
+        return replace(self, params=replace(self.params, sampling=sampling))
 
     @property
     def needs_chooser(self) -> bool:
         """Chosen by a `TokenChooser` (`engine.logits`): a grammar, a penalty, a filter
         other than top_p, or logprobs, which need each token known before the next one's
         logits are turned into a choice."""
-        return self.grammar is not None or not self.sampling.plain
+        return self.params.grammar is not None or not self.params.sampling.plain
 
 
 @dataclass
@@ -184,15 +103,6 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A chosen token's log-probability and the most likely alternatives'."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

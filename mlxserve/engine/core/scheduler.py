@@ -18,8 +18,8 @@ again when it shrinks.
 from collections import deque
 from collections.abc import Callable
 
-from mlxserve.engine.core.sequence import Phase, Sequence
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.core.request_state import Phase, RequestState
+from mlxserve.engine.core.step import Step
 
 
 class Scheduler:
@@ -27,10 +27,10 @@ class Scheduler:
         self,
         max_running: int,
         prefill_step: int,
-        on_admit: Callable[[Sequence], None] | None = None,
+        on_admit: Callable[[RequestState], None] | None = None,
         max_speculative_batch: int = 0,
         batch_speculative_depth: int = 0,
-        depth_for: Callable[[Sequence], int] | None = None,
+        depth_for: Callable[[RequestState], int] | None = None,
     ) -> None:
         if max_running < 1 or prefill_step < 1:
             raise ValueError("max_running and prefill_step must be >= 1")
@@ -44,22 +44,22 @@ class Scheduler:
         self.batch_speculative_depth = batch_speculative_depth
         # The drafts of a speculative request's next round (default: its fixed depth).
         self.depth_for = depth_for or (lambda sequence: sequence.depth)
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
         self._steps = 0
         self._decode_turn = 0
         self._decodes_since_prefill = 0
 
-    def add(self, sequence: Sequence) -> None:
+    def add(self, sequence: RequestState) -> None:
         self.waiting.append(sequence)
 
-    def find(self, request_id: str) -> Sequence | None:
+    def find(self, request_id: str) -> RequestState | None:
         for sequence in (*self.running, *self.waiting):
             if sequence.request_id == request_id:
                 return sequence
         return None
 
-    def remove_finished(self) -> list[Sequence]:
+    def remove_finished(self) -> list[RequestState]:
         done = [s for s in (*self.running, *self.waiting) if s.phase is Phase.FINISHED]
         self.running = [s for s in self.running if s.phase is not Phase.FINISHED]
         self.waiting = deque(s for s in self.waiting if s.phase is not Phase.FINISHED)
@@ -69,7 +69,7 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.running and not self.waiting
 
-    def next_step(self) -> StepPlan | None:
+    def next_step(self) -> Step | None:
         self._admit()
         prefilling = [s for s in self.running if s.phase is Phase.PREFILL]
         decoding = [s for s in self.running if s.phase is Phase.DECODE]
@@ -81,15 +81,15 @@ class Scheduler:
             sequence = prefilling[0]
             if sequence.prompt_remaining > 0:
                 chunk = min(self.prefill_step, sequence.prompt_remaining)
-                return self._plan("prefill", (sequence.request_id,), chunk)
+                return self._step("prefill", (sequence.request_id,), chunk)
             # Only the last prompt token is left: the first decode step produces token 1.
-            return self._plan("decode", (sequence.request_id,), 1)
+            return self._step("decode", (sequence.request_id,), 1)
         together = len(decoding) > 1
         if together and self._speculate_together(decoding):
             ids = tuple(s.request_id for s in decoding)
             self._decodes_since_prefill += len(ids)
             depth = min(min(s.depth for s in decoding), self.batch_speculative_depth)
-            return self._plan("speculate", ids, depth)
+            return self._step("speculate", ids, depth)
         plain = tuple(s.request_id for s in decoding if s.depth == 0 or together)
         turns: list[tuple[str, ...]] = [plain] if plain else []
         turns += [(s.request_id,) for s in decoding if s.depth > 0 and not together]
@@ -97,11 +97,11 @@ class Scheduler:
         self._decode_turn += 1
         self._decodes_since_prefill += len(ids)
         if ids is plain:
-            return self._plan("decode", ids, 1)
+            return self._step("decode", ids, 1)
         sequence = next(s for s in decoding if s.request_id == ids[0])
-        return self._plan("speculate", ids, self.depth_for(sequence))
+        return self._step("speculate", ids, self.depth_for(sequence))
 
-    def _speculate_together(self, decoding: list[Sequence]) -> bool:
+    def _speculate_together(self, decoding: list[RequestState]) -> bool:
         """Batched speculation: every decoding request drafts, and the batch is small."""
         return (
             self.batch_speculative_depth > 0
@@ -117,6 +117,6 @@ class Scheduler:
                 self.on_admit(sequence)
             self.running.append(sequence)
 
-    def _plan(self, kind: str, ids: tuple[str, ...], num_tokens: int) -> StepPlan:
+    def _step(self, kind: str, ids: tuple[str, ...], num_tokens: int) -> Step:
         self._steps += 1
-        return StepPlan(index=self._steps, kind=kind, request_ids=ids, num_tokens=num_tokens)  # type: ignore[arg-type]
+        return Step(index=self._steps, kind=kind, request_ids=ids, num_tokens=num_tokens)  # type: ignore[arg-type]

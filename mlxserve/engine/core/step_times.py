@@ -19,7 +19,7 @@ import threading
 from collections import deque
 from typing import Final
 
-from mlxserve.engine.core.step_plan import StepKind, StepPlan
+from mlxserve.engine.core.step import Step, StepKind
 
 WINDOW: Final = 256  # recent steps per kind
 
@@ -33,10 +33,10 @@ class StepTimes:
         self._window = window
         self.floor_s = floor_s
 
-    def record(self, plan: StepPlan, seconds: float) -> None:
-        per = seconds / max(plan.num_tokens, 1) if plan.kind == "prefill" else seconds
+    def record(self, step: Step, seconds: float) -> None:
+        per = seconds / max(step.num_tokens, 1) if step.kind == "prefill" else seconds
         with self._lock:
-            self._seconds.setdefault(plan.kind, deque(maxlen=self._window)).append(per)
+            self._seconds.setdefault(step.kind, deque(maxlen=self._window)).append(per)
 
     def clear(self) -> None:
         """Forget the durations (a warm-up's include its compiling)."""
@@ -50,14 +50,14 @@ class StepTimes:
             return None
         return recent[min(len(recent) - 1, math.ceil(0.99 * len(recent)) - 1)]
 
-    def expected_s(self, plan: StepPlan | None) -> float:
-        """The p99 duration of steps like `plan` (None: between steps), at least
+    def expected_s(self, step: Step | None) -> float:
+        """The p99 duration of steps like `step` (None: between steps), at least
         ``floor_s`` (0.0: nothing like it measured yet, nothing compiles)."""
-        if plan is None:
+        if step is None:
             expected = max((self.p99(kind) or 0.0) for kind in ("decode", "speculate"))
         else:
-            p99 = self.p99(plan.kind)
+            p99 = self.p99(step.kind)
             expected = 0.0 if p99 is None else p99
-            if plan.kind == "prefill":
-                expected *= plan.num_tokens
+            if step.kind == "prefill":
+                expected *= step.num_tokens
         return max(expected, self.floor_s)

@@ -26,9 +26,9 @@ def run_follower(settings: Settings) -> int:
     from mlxserve.engine.process.lockstep import Diverged, follow
     from mlxserve.engine.process.loop import configure_logging
     from mlxserve.engine.process.warmup import WARM_UP_STEP_S
-    from mlxserve.policy.build import build_plan
     from mlxserve.reliability.faults import FaultInjector, Faults, active_faults
     from mlxserve.reliability.watchdog import Watchdog
+    from mlxserve.startup.plan import build_plan
 
     configure_logging()
     # `mlx.launch` forwards Ctrl-C to every rank: rank 0 then drains and broadcasts

@@ -3,9 +3,9 @@
 Under tensor parallelism every rank runs the same forward on its shard, so every
 rank must run the same steps on the same tokens. Rank 0 alone talks to clients:
 before each step it broadcasts what changed since the last one (requests admitted,
-with a concrete seed so sampling agrees; cancellations) and the step plan it chose.
+with a concrete seed so sampling agrees; cancellations) and the step it chose.
 The other ranks apply the same changes to their own engine, ask their own scheduler
-for the next plan, and check that it is rank 0's: the scheduler is deterministic,
+for the next step, and check that it is rank 0's: the scheduler is deterministic,
 so a difference means the ranks diverged, and they stop rather than compute
 garbage. Every rank then runs the step; the sharded model's collectives (all_sum)
 make their logits, and so their tokens, identical.
@@ -15,7 +15,7 @@ rank compiles the same kernels and calibrates the automatic depth in the same
 step. Its steps are marked (`warm_up`): a follower's watchdog then allows them the
 warm-up's time. The first step after it says the warm-up is over
 (`warm_up_over`), and the followers forget it as rank 0 did, before that step's
-admissions: a prefix-cache entry kept on one rank only would change its plans.
+admissions: a prefix-cache entry kept on one rank only would change its steps.
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxserve.channel.messages import Generate, sampling_wire
+from mlxserve.channel.messages import Generate
 from mlxserve.cluster.broadcast import broadcast_bytes
 from mlxserve.engine.core.request import GenerationRequest
-from mlxserve.engine.core.step_plan import StepPlan
-from mlxserve.engine.process.socket_end import to_request
+from mlxserve.engine.core.step import Step
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +37,13 @@ class Diverged(RuntimeError):
     """A follower's scheduler chose a different step than rank 0's."""
 
 
-def as_generate(request: GenerationRequest) -> Generate:
-    """A request in the engine channel's wire form, which ``to_request`` reads back."""
-    return Generate(
-        id=request.request_id,
-        prompt_ids=list(request.prompt_ids),
-        max_tokens=request.max_tokens,
-        stop_token_ids=sorted(request.stop_token_ids),
-        speculative_depth=request.speculative_depth,
-        **sampling_wire(request.sampling),
-        grammar=request.grammar,
-        grammar_prefix=list(request.grammar_prefix),
-    )
-
-
 @dataclass
 class StepMessage:
     """What rank 0 broadcasts before a step (or to stop the followers)."""
 
     submitted: list[GenerationRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
-    plan: StepPlan | None = None
+    step: Step | None = None
     stop: bool = False
     # The step is one of rank 0's warm-up (it may compile for long).
     warm_up: bool = False
@@ -68,9 +53,9 @@ class StepMessage:
     def to_bytes(self) -> bytes:
         return json.dumps(
             {
-                "submitted": [as_generate(r).model_dump() for r in self.submitted],
+                "submitted": [r.as_generate().model_dump() for r in self.submitted],
                 "cancelled": self.cancelled,
-                "plan": json.loads(self.plan.to_json()) if self.plan else None,
+                "step": json.loads(self.step.to_json()) if self.step else None,
                 "stop": self.stop,
                 "warm_up": self.warm_up,
                 "warm_up_over": self.warm_up_over,
@@ -81,11 +66,11 @@ class StepMessage:
     @classmethod
     def from_bytes(cls, data: bytes) -> StepMessage:
         raw = json.loads(data)
-        plan = StepPlan.from_json(json.dumps(raw["plan"]).encode()) if raw["plan"] else None
+        step = Step.from_json(json.dumps(raw["step"]).encode()) if raw["step"] else None
         return cls(
-            submitted=[to_request(Generate.model_validate(r), None) for r in raw["submitted"]],
+            submitted=[GenerationRequest.of(Generate.model_validate(r)) for r in raw["submitted"]],
             cancelled=[str(c) for c in raw["cancelled"]],
-            plan=plan,
+            step=step,
             stop=bool(raw["stop"]),
             warm_up=bool(raw["warm_up"]),
             warm_up_over=bool(raw["warm_up_over"]),
@@ -93,7 +78,7 @@ class StepMessage:
 
 
 class LockstepLeader:
-    """Rank 0's side: collects the changes of a step and broadcasts them with its plan."""
+    """Rank 0's side: collects the changes before a step and broadcasts them with it."""
 
     def __init__(self, group: Any) -> None:
         if group.rank() != 0:
@@ -111,8 +96,8 @@ class LockstepLeader:
         """Rank 0 forgot its warm-up: the followers will, with the next step."""
         self._message.warm_up_over = True
 
-    def publish(self, plan: StepPlan, warm_up: bool = False) -> None:
-        """Broadcast the changes since the last step, and ``plan`` (a warm-up's step
+    def publish(self, step: Step, warm_up: bool = False) -> None:
+        """Broadcast the changes since the last step, and ``step`` (a warm-up's step
         when ``warm_up``).
 
         Changes with no step after them (a cancellation that leaves nothing to run,
@@ -121,7 +106,7 @@ class LockstepLeader:
         before it. So the broadcast is always inside a step, which the watchdog sees.
         """
         message, self._message = self._message, StepMessage()
-        message.plan = plan
+        message.step = step
         message.warm_up = warm_up
         broadcast_bytes(self.group, message.to_bytes())
 
@@ -133,7 +118,7 @@ def follow(engine: Any, group: Any, max_messages: int | None = None) -> int:
     """A follower rank's loop: mirror rank 0's engine until it says stop.
 
     Returns the number of steps run. Raises ``Diverged`` when this rank's scheduler
-    disagrees with rank 0's plan. ``engine.warming_up`` follows rank 0's marks, for
+    disagrees with rank 0's step. ``engine.warming_up`` follows rank 0's marks, for
     this rank's watchdog.
     """
     steps = 0
@@ -155,13 +140,13 @@ def follow(engine: Any, group: Any, max_messages: int | None = None) -> int:
             engine.admit_mirrored(request)
         for request_id in message.cancelled:
             engine.cancel_now(request_id)
-        plan = engine.scheduler.next_step()
-        if plan is not None and message.plan is not None and plan.same_step(message.plan):
+        step = engine.scheduler.next_step()
+        if step is not None and message.step is not None and step.same_step(message.step):
             # An automatic depth is chosen from rank 0's timings: its drafts count.
-            plan = message.plan
-        if plan != message.plan:
-            raise Diverged(f"rank {group.rank()} planned {plan}, rank 0 {message.plan}")
-        if plan is not None:
-            engine.run_plan(plan)
+            step = message.step
+        if step != message.step:
+            raise Diverged(f"rank {group.rank()} chose {step}, rank 0 {message.step}")
+        if step is not None:
+            engine.run_step(step)
             steps += 1
     return steps

@@ -42,7 +42,7 @@ from mlxserve.channel.messages import Error, Hello
 from mlxserve.cluster.discover import GroupPortTaken
 from mlxserve.config import Settings, load_settings
 from mlxserve.engine.core.build import LoadedModel
-from mlxserve.engine.core.engine import Engine
+from mlxserve.engine.core.stepper import Engine
 from mlxserve.engine.process.socket_end import POLL_S, FrontDesk, FrontLink
 from mlxserve.errors import UsageError
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
@@ -144,8 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, signals: _Signals) -> int:
     from mlxserve.cluster.discover import launched_rank
     from mlxserve.engine.process.follower import run_follower
-    from mlxserve.policy.build import build_plan
     from mlxserve.reliability.faults import active_faults
+    from mlxserve.startup.plan import build_plan
 
     settings = load_settings(args.config, cli_settings(args))
     rank = launched_rank()
@@ -275,11 +275,12 @@ def serve(listener: socket.socket, desk: FrontDesk, stop: threading.Event) -> No
 
 
 class EngineLoop:
-    """Runs the engine's steps on a daemon thread; a crash of the loop ends the process.
+    """The engine's loop: `Engine.run_once` on a daemon thread until `stop`.
 
-    `Engine.start` would run the same loop, but a loop that died silently would
-    leave every request waiting forever with no step in flight for the
-    watchdog to see; here it exits with code 70 so the front restarts it.
+    A crash of the loop ends the process: a loop that died silently would leave
+    every request waiting forever with no step in flight for the watchdog to
+    see, so it exits with code 70 and the front restarts it (`exit`: tests
+    record the code instead).
     """
 
     def __init__(self, engine: Engine, exit: Callable[[int], object] = os._exit) -> None:
@@ -294,7 +295,7 @@ class EngineLoop:
     def stop(self, timeout: float) -> bool:
         """True when the loop ended within `timeout` seconds."""
         self._stop.set()
-        self.engine.stop(timeout=0)  # wakes the loop's blocking wait for work
+        self.engine.wake()  # ends the loop's blocking wait for work
         self._thread.join(timeout)
         return not self._thread.is_alive()
 

@@ -31,7 +31,6 @@ from mlxserve.channel.messages import (
     Finish,
     Generate,
     Hello,
-    Logprob,
     Progress,
     Status,
     StatusRequest,
@@ -39,8 +38,8 @@ from mlxserve.channel.messages import (
     decode_front,
     encode,
 )
-from mlxserve.engine.core.engine import Engine, RequestStream
-from mlxserve.engine.core.request import FinishEvent, GenerationRequest, SamplingParams, TokensEvent
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.core.stepper import Engine, RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -318,41 +317,16 @@ class FrontDesk:
 def to_request(message: Generate, vocab_size: int | None) -> GenerationRequest:
     """The engine's request for a `generate` message; ValueError says what is wrong."""
     if vocab_size is not None:
-        bad = [t for t in message.prompt_ids if not 0 <= t < vocab_size]
+        bad = [t for t in message.params.prompt_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(
                 f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
             )
-    return GenerationRequest(
-        request_id=message.id,
-        prompt_ids=tuple(message.prompt_ids),
-        max_tokens=message.max_tokens,
-        sampling=SamplingParams(
-            temperature=message.temperature,
-            top_p=message.top_p,
-            seed=message.seed,
-            top_k=message.top_k,
-            min_p=message.min_p,
-            presence_penalty=message.presence_penalty,
-            frequency_penalty=message.frequency_penalty,
-            repetition_penalty=message.repetition_penalty,
-            logit_bias=tuple(message.logit_bias),
-            logprobs=message.logprobs,
-        ),
-        stop_token_ids=frozenset(message.stop_token_ids),
-        speculative_depth=message.speculative_depth,
-        grammar=message.grammar,
-        grammar_prefix=tuple(message.grammar_prefix),
-    )
+    return GenerationRequest.of(message)
 
 
 def to_tokens(event: TokensEvent) -> Tokens:
-    logprobs = None
-    if event.logprobs is not None:
-        logprobs = [
-            Logprob(token=r.token, logprob=r.logprob, top=list(r.top)) for r in event.logprobs
-        ]
-    return Tokens(id=event.request_id, token_ids=list(event.token_ids), logprobs=logprobs)
+    return Tokens(id=event.request_id, token_ids=list(event.token_ids), logprobs=event.logprobs)
 
 
 def to_finish(event: FinishEvent) -> Finish:

@@ -2,12 +2,10 @@
 
 Why: a device that compiles kernels on their first use (MLX's CUDA backend: NVRTC
 and cuDNN plans per kernel and shape) makes the first prefill and the first
-speculative round of a fresh process take tens of seconds. Measured on an H200
-with the demo model as `mlxserve serve` builds it: 36 s for the first 19-token
-prefill and 32 s for the first speculative step (the depth calibration inside
-it), then 6-7 ms per step. Inside a user's request that is a first answer that
-takes a minute, and a step the front's hang detection (seconds) and the engine's
-watchdog (tens of seconds) rightly call hung. So the engine runs a lone request
+speculative round of a fresh process take tens of seconds, later steps milliseconds
+(docs/engine.md#warm-up: the measurements). Inside a user's request that is a first
+answer that takes a minute, and a step the front's hang detection (seconds) and the
+engine's watchdog (tens of seconds) rightly call hung. So the engine runs a lone request
 (prefill, a plain step, speculative rounds and the depth calibration) and two
 requests together (a decode batch, drafting together) before it says hello.
 What it leaves behind is only what serving would have built anyway: compiled
@@ -28,9 +26,10 @@ import logging
 import time
 from typing import Literal
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.drive import run_until_finished
-from mlxserve.engine.core.engine import Engine
 from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +39,10 @@ WARM_UP_TOKENS = 24
 #: Steps the warm-up may take (it needs about 60): a bound, not a budget.
 MAX_STEPS = 10_000
 #: The longest a warm-up step may make no progress before the watchdog ends its
-#: rank: about 10x the 32-36 s a first step took on the H200 with the demo model
-#: (a larger model compiles more kernels), and within the front's 600 s default
-#: `startup_timeout_s`, so a rank that wedges while warming up still ends.
+#: rank: about 10x what a first step took on the H200 with the demo model
+#: (docs/engine.md#tuning; a larger model compiles more kernels), and within the
+#: front's 600 s default `startup_timeout_s`, so a rank that wedges while warming up
+#: still ends.
 WARM_UP_STEP_S = 300.0
 
 
@@ -65,8 +65,11 @@ def warm_up(engine: Engine, prompt: tuple[int, ...]) -> float:
     # A second prompt (the first one's plus one token) so the pair prefills rather
     # than reusing the first request's prefix entry only.
     pair = (prompt, (*prompt, prompt[-1]))
-    lone = [GenerationRequest("warm-up-0", prompt, WARM_UP_TOKENS)]
-    two = [GenerationRequest(f"warm-up-{i + 1}", p, WARM_UP_TOKENS) for i, p in enumerate(pair)]
+    lone = [GenerationRequest("warm-up-0", GenerationParams(prompt, WARM_UP_TOKENS))]
+    two = [
+        GenerationRequest(f"warm-up-{i + 1}", GenerationParams(p, WARM_UP_TOKENS))
+        for i, p in enumerate(pair)
+    ]
     engine.warming_up = True
     try:
         _run(engine, lone)

@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from mlxserve.hardware.tuning import EngineTuning, default_tuning, tune_model
 from mlxserve.kernels.buffers import own_buffers
 
 
@@ -25,6 +26,11 @@ class ModelState(Protocol):
 class ModelAdapter(Protocol):
     #: deepest speculative draft the model supports (0: no drafter)
     max_draft_depth: int
+    #: the knobs its forwards and batches run with (`tune`)
+    tuning: EngineTuning
+
+    def tune(self, tuning: EngineTuning) -> None:
+        """Run with these knobs from now on, the model's forwards too."""
 
     def new_state(self, max_rollback: int) -> ModelState: ...
 
@@ -103,6 +109,11 @@ class PlainAdapter:
 
     def __init__(self, model: Module) -> None:
         self.model = model
+        self.tuning = default_tuning()
+
+    def tune(self, tuning: EngineTuning) -> None:
+        self.tuning = tuning
+        tune_model(self.model, tuning)
 
     def new_state(self, max_rollback: int) -> PlainState:
         return PlainState(make_prompt_cache(self.model))

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 
-from mlxserve.engine.core.request import SamplingParams
+from mlxserve.channel.request import SamplingParams
 from mlxserve.engine.runner.adapter import ModelAdapter, ModelState, PlainAdapter, PlainState
 from mlxserve.engine.runner.ring_cache import RingBatch, ring_capable
 from mlxserve.engine.sample.acceptance import greedy_accept, rejection_accept
@@ -86,12 +86,15 @@ class CacheBatch:
         states: list[PlainState],
         rooms: list[int] | None = None,
         expected: int = 0,
+        *,
+        max_reserve: int,
     ) -> None:
         self.model = model
         self.ring: RingBatch | None = None
         if all(ring_capable(state.cache) for state in states):
             caches = [s.cache for s in states]
-            self.ring = RingBatch(caches, _rooms(rooms, len(states)), expected)
+            room = _rooms(rooms, len(states))
+            self.ring = RingBatch(caches, room, expected, max_reserve=max_reserve)
             self.cache: list[Any] = list(self.ring.layers)
         else:
             self.cache = self._merge(states)
@@ -267,8 +270,9 @@ class MTPRowBatch(RowBatch):
     MAX_BACKLOG = 16
     MAX_BACKLOG_TOKENS = 32
 
-    def __init__(self, model: Any, states: list[Any]) -> None:
+    def __init__(self, model: Any, states: list[Any], queue_every: int) -> None:
         super().__init__(model, [])
+        self.queue_every = queue_every  # the verify's (`verify_streams`)
         self._carry: mx.array | None = None  # [B, 1, hc, D]: the rows' carried streams
         self._history: list[mx.array] = []  # per step, the streams carried into it
         self._fed: list[mx.array] = []  # per step, the tokens fed [B]
@@ -372,7 +376,7 @@ class MTPRowBatch(RowBatch):
         draft_ids = mx.concatenate(drafts, axis=1)  # [B, k]
         verify = mx.concatenate([first, draft_ids], axis=1)  # [B, k + 1]
         rows = self.layer_rows([s.cache for s in states])
-        main_streams = verify_streams(model, verify, rows, drafts)
+        main_streams = verify_streams(model, verify, rows, drafts, self.queue_every)
         main_logits = model.head_from_streams(main_streams)  # [B, k + 1, V]
         emitted = self._accept(
             draft_ids, draft_logits, main_logits, main_streams, params, keys, rounds
@@ -515,7 +519,8 @@ def new_batch(
             and len(s.mtp_cache) > 0  # type: ignore[attr-defined]
             for s in states
         )
-        return MTPRowBatch(model, states) if ok else None
+        queue_every = adapter.tuning.verify_queue_every_layers
+        return MTPRowBatch(model, states, queue_every) if ok else None
     if not isinstance(adapter, PlainAdapter):
         return None
     plain = [s for s in states if isinstance(s, PlainState)]
@@ -524,7 +529,8 @@ def new_batch(
     if all(_rows_capable(s.cache) for s in plain):
         return RowBatch(model, plain)
     if all(callable(getattr(c, "merge", None)) for s in plain for c in s.cache):
-        return CacheBatch(model, plain, rooms, expected)
+        reserve = adapter.tuning.batch_reserve_positions
+        return CacheBatch(model, plain, rooms, expected, max_reserve=reserve)
     return None
 
 

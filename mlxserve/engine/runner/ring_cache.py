@@ -31,9 +31,6 @@ from mlx_lm.models.cache import KVCache
 
 #: a batch's rows and columns grow to multiples of these
 COLUMN_STEP = 32
-#: positions a joining row reserves ahead at most (its remaining tokens, when fewer);
-#: a row decoding past them makes the ring grow (a copy, one layer at a time)
-MAX_RESERVE = 1024
 
 
 def _round_up(n: int, step: int) -> int:
@@ -171,20 +168,30 @@ def ring_capable(caches: list[Any]) -> bool:
     return bool(caches) and all(type(c) is KVCache and c.keys is not None for c in caches)
 
 
-def _need(state_caches: list[KVCache], room: int | None) -> int:
+def _need(state_caches: list[KVCache], room: int | None, max_reserve: int) -> int:
     """Columns a row needs: its positions and those it may still add (capped)."""
-    reserve = MAX_RESERVE if room is None else min(max(room, 1), MAX_RESERVE)
+    reserve = max_reserve if room is None else min(max(room, 1), max_reserve)
     return int(state_caches[0].offset) + reserve
 
 
 class RingBatch:
-    """The ring caches of every layer, with the operations that change membership."""
+    """The ring caches of every layer, with the operations that change membership.
+
+    ``max_reserve``: the positions a joining row reserves ahead at most (its remaining
+    tokens, when fewer; the tuning's ``batch_reserve_positions``); a row decoding past
+    them makes the ring grow (a copy, one layer at a time)."""
 
     def __init__(
-        self, states: list[list[KVCache]], rooms: list[int | None], expected: int = 0
+        self,
+        states: list[list[KVCache]],
+        rooms: list[int | None],
+        expected: int = 0,
+        *,
+        max_reserve: int,
     ) -> None:
+        self.max_reserve = max_reserve
         capacity = max(len(states), expected)
-        need = max(_need(s, r) for s, r in zip(states, rooms, strict=True))
+        need = max(_need(s, r, max_reserve) for s, r in zip(states, rooms, strict=True))
         self.layers = [
             _layer_of(cache, capacity, _round_up(need, COLUMN_STEP)) for cache in states[0]
         ]
@@ -219,7 +226,7 @@ class RingBatch:
         # A step still running holds the buffers; in-place writes wait for it (else
         # MLX would copy the buffer rather than write into one in use).
         mx.synchronize()
-        need = max(_need(s, r) for s, r in zip(states, rooms, strict=True))
+        need = max(_need(s, r, self.max_reserve) for s, r in zip(states, rooms, strict=True))
         # Every live row's positions must stay clear of the columns written next.
         need = max(need, max(self.layers[0].lengths, default=0) + 1)
         self._grow(self.layers[0].rows + len(states), need, expected)
@@ -245,7 +252,7 @@ class RingBatch:
         """Before a step: every row's next position must not overwrite its oldest."""
         longest = max(self.layers[0].lengths, default=0)
         if longest + 1 > self.layers[0].columns:
-            self._grow(self.layers[0].rows, longest + MAX_RESERVE)
+            self._grow(self.layers[0].rows, longest + self.max_reserve)
 
     def extract(self, index: int) -> list[KVCache]:
         """Row ``index`` as single-sequence caches, its positions in order (a copy)."""

@@ -1,4 +1,4 @@
-"""Run one step plan on the model and turn the result into tokens per request.
+"""Run one step on the model and turn the result into tokens per request.
 
 Plain decoding is pipelined like `mlx_lm.generate`: the next forward is
 queued (`mx.async_eval`) before the current token is read back, so the host
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from mlxserve.engine.core.prefix_cache import PrefixCache
-from mlxserve.engine.core.sequence import Phase, Sequence
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.core.request_state import Phase, RequestState
+from mlxserve.engine.core.step import Step
 from mlxserve.engine.runner.adapter import ModelAdapter, ModelState
 from mlxserve.engine.runner.batch import DecodeBatch, can_join, new_batch
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import sample, token_id
-from mlxserve.engine.spec.depth import DepthChooser
+from mlxserve.engine.spec.depth import DepthPicker
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class _Batch:
     """A decode batch and the sequences of its rows, in row order."""
 
     state: DecodeBatch
-    rows: list[Sequence]
+    rows: list[RequestState]
     # The next input token of every row ([B], lazy) while membership is unchanged.
     tokens: mx.array | None = None
 
@@ -54,38 +54,38 @@ class Runner:
         self._batch_of: dict[str, _Batch] = {}
         # Set by the engine when a request chooses its depth per round, with the
         # clock that times rounds on this device (`mlxserve.hardware.clock`).
-        self.chooser: DepthChooser | None = None
+        self.depth_picker: DepthPicker | None = None
         # Requests given a state and not yet released: the rows a batch may soon hold.
         self._live: set[str] = set()
         self.clock: Callable[[], float] = time.perf_counter
         # The requests of the last decode or speculative step and when it ended: the
-        # time until their next step starts is the engine's own, which the chooser
-        # adds to every step's cost (`DepthChooser.overhead`).
+        # time until their next step starts is the engine's own, which the depth picker
+        # adds to every step's cost (`DepthPicker.overhead`).
         self._last_step: tuple[tuple[str, ...], float] | None = None
 
-    def run(self, plan: StepPlan, sequences: list[Sequence]) -> dict[str, list[int]]:
-        """Execute `plan`; returns the tokens each request emits in this step."""
-        stepping = plan.kind != "prefill"
+    def run(self, step: Step, sequences: list[RequestState]) -> dict[str, list[int]]:
+        """Execute `step`; returns the tokens each request emits in this step."""
+        stepping = step.kind != "prefill"
         # Taken, not read: a step that fails leaves no start for the next gap.
         last, self._last_step = self._last_step, None
-        if self.chooser is not None and stepping and last is not None:
+        if self.depth_picker is not None and stepping and last is not None:
             served, ended = last
-            if served == tuple(plan.request_ids):
-                self.chooser.observe_between(self.clock() - ended)
+            if served == tuple(step.request_ids):
+                self.depth_picker.observe_between(self.clock() - ended)
         emitted: dict[str, list[int]] = {}
-        if plan.kind == "decode":
+        if step.kind == "decode":
             emitted = self._decode_all(sequences)
-        elif plan.kind == "speculate" and len(sequences) > 1:
-            emitted = self._speculate_all(sequences, plan.num_tokens)
+        elif step.kind == "speculate" and len(sequences) > 1:
+            emitted = self._speculate_all(sequences, step.num_tokens)
         for sequence in sequences:
-            if plan.kind == "prefill":
-                self._prefill(sequence, plan.num_tokens)
-            elif plan.kind == "speculate" and len(sequences) == 1:
-                emitted[sequence.request_id] = self._speculate(sequence, plan.num_tokens)
+            if step.kind == "prefill":
+                self._prefill(sequence, step.num_tokens)
+            elif step.kind == "speculate" and len(sequences) == 1:
+                emitted[sequence.request_id] = self._speculate(sequence, step.num_tokens)
         for sequence in sequences:
             sequence.transcript.extend(emitted.get(sequence.request_id, ()))
-        if stepping and self.chooser is not None:  # only an automatic depth reads it
-            self._last_step = (tuple(plan.request_ids), self.clock())
+        if stepping and self.depth_picker is not None:  # only an automatic depth reads it
+            self._last_step = (tuple(step.request_ids), self.clock())
         return emitted
 
     def forget_last_step(self) -> None:
@@ -98,7 +98,7 @@ class Runner:
         """Requests decoding inside a batch now."""
         return len(self._batch_of)
 
-    def attach_state(self, sequence: Sequence) -> None:
+    def attach_state(self, sequence: RequestState) -> None:
         """Give a starting request its model state: a prefix-cache hit or a fresh one."""
         if sequence.state is not None:
             return
@@ -127,7 +127,7 @@ class Runner:
             if gone:
                 self._remove(batch, gone, finished=True)
 
-    def release(self, sequence: Sequence) -> int:
+    def release(self, sequence: RequestState) -> int:
         """A request finished: its share of the cache bytes; outside any batch, its
         final state is kept for reuse now (batched rows leave in ``settle``)."""
         self._live.discard(sequence.request_id)
@@ -147,14 +147,14 @@ class Runner:
 
     # -- prefill -------------------------------------------------------------
 
-    def _prefill(self, sequence: Sequence, count: int) -> None:
+    def _prefill(self, sequence: RequestState, count: int) -> None:
         assert sequence.state is not None
         count = min(count, sequence.prompt_remaining)
         start = sequence.prefilled
         self.adapter.prefill(sequence.state, list(sequence.prompt[start : start + count]))
         sequence.prefilled += count
 
-    def _first_logits(self, sequence: Sequence) -> mx.array:
+    def _first_logits(self, sequence: RequestState) -> mx.array:
         """Run the last prompt token; the state is stored for prefix reuse just before."""
         assert sequence.state is not None
         if self.prefix_cache is not None and sequence.prefilled > sequence.cached_tokens:
@@ -164,11 +164,11 @@ class Runner:
 
     # -- decode ----------------------------------------------------------------
 
-    def _decode(self, sequence: Sequence) -> list[int]:
+    def _decode(self, sequence: RequestState) -> list[int]:
         """One request's own decode step (its first token, or no batch fits it)."""
         if sequence.chooser is not None:
             return self._choose(sequence, sequence.chooser)
-        params = sequence.request.sampling
+        params = sequence.request.params.sampling
         first: int | None = None
         if sequence.pending is None:
             sequence.pending = sample(self._first_logits(sequence), params, sequence.keys.next())
@@ -191,7 +191,7 @@ class Runner:
             sequence.pending = None
         return [token_id(current) if first is None else first]
 
-    def _choose(self, sequence: Sequence, chooser: TokenChooser) -> list[int]:
+    def _choose(self, sequence: RequestState, chooser: TokenChooser) -> list[int]:
         """A step without pipelining: the chooser reads each token before the next."""
         if not sequence.transcript:
             logits = self._first_logits(sequence)
@@ -200,7 +200,7 @@ class Runner:
             logits = self.adapter.step(sequence.state, mx.array(sequence.transcript[-1:]))
         return [chooser.choose(logits, sequence.keys.next(), sequence.budget)]
 
-    def _decode_all(self, sequences: list[Sequence]) -> dict[str, list[int]]:
+    def _decode_all(self, sequences: list[RequestState]) -> dict[str, list[int]]:
         """Requests in steady decoding join a batch and every batch takes one step."""
         emitted: dict[str, list[int]] = {}
         named = self._leave_unnamed(sequences)
@@ -219,7 +219,7 @@ class Runner:
         return emitted
 
     @staticmethod
-    def _ready(sequence: Sequence) -> bool:
+    def _ready(sequence: RequestState) -> bool:
         """Past its first token, with its next input known: it may decode in a batch."""
         if sequence.state is None or sequence.phase is not Phase.DECODE:
             return False
@@ -230,7 +230,7 @@ class Runner:
             return sequence.pending is not None and sequence.budget > 1
         return sequence.pending is not None or bool(sequence.generated)
 
-    def _enter(self, sequence: Sequence) -> bool:
+    def _enter(self, sequence: RequestState) -> bool:
         """Put the sequence in a batch that fits it, or a new one; False if none can."""
         state = sequence.state
         assert state is not None
@@ -296,7 +296,7 @@ class Runner:
         batch.tokens = following
 
     @staticmethod
-    def _choose_rows(rows: list[Sequence], logits: mx.array) -> dict[int, int]:
+    def _choose_rows(rows: list[RequestState], logits: mx.array) -> dict[int, int]:
         """The rows with a `TokenChooser` choose from the batch's logits [B, V], in row
         order, each with its own key and budget, as alone. This reads the logits back
         (the grammar and the penalties need each token as a number), so the step whose
@@ -310,11 +310,11 @@ class Runner:
 
     @staticmethod
     def _sample(
-        rows: list[Sequence], logits: mx.array, chosen: dict[int, int] | None = None
+        rows: list[RequestState], logits: mx.array, chosen: dict[int, int] | None = None
     ) -> mx.array:
         """Each row's next token, lazily: sampled, or the one its chooser took."""
         chosen = chosen or {}
-        if all(s.request.sampling.greedy for i, s in enumerate(rows) if i not in chosen):
+        if all(s.request.params.sampling.greedy for i, s in enumerate(rows) if i not in chosen):
             tokens = mx.argmax(logits, axis=-1)
             if not chosen:
                 return tokens
@@ -325,7 +325,7 @@ class Runner:
             [
                 mx.array(chosen[i], dtype=mx.uint32)
                 if i in chosen
-                else sample(logits[i], s.request.sampling, s.keys.next())
+                else sample(logits[i], s.request.params.sampling, s.keys.next())
                 for i, s in enumerate(rows)
             ]
         )
@@ -338,7 +338,7 @@ class Runner:
                     sequence.pending = batch.tokens[index]
             batch.tokens = None
 
-    def _leave_unnamed(self, sequences: list[Sequence]) -> set[str]:
+    def _leave_unnamed(self, sequences: list[RequestState]) -> set[str]:
         """The ids of `sequences`, the rows this step runs. Rows it does not run must
         not advance: they leave their batches and go on alone (a batch none of whose
         rows is named is left as it is)."""
@@ -366,7 +366,7 @@ class Runner:
         else:
             self.batches.remove(batch)
 
-    def _keep_final(self, sequence: Sequence, state: ModelState) -> None:
+    def _keep_final(self, sequence: RequestState, state: ModelState) -> None:
         assert self.prefix_cache is not None
         tokens = (*sequence.prompt, *sequence.transcript)[: state.offset]
         if len(tokens) == state.offset and len(tokens) > sequence.prefilled:
@@ -374,7 +374,7 @@ class Runner:
 
     # -- speculate -------------------------------------------------------------
 
-    def _speculate_all(self, sequences: list[Sequence], depth: int) -> dict[str, list[int]]:
+    def _speculate_all(self, sequences: list[RequestState], depth: int) -> dict[str, list[int]]:
         """One speculative round for several requests: drafts and verify batched.
 
         Every request enters (or stays in) a batch; a batch whose rows can draft
@@ -404,7 +404,7 @@ class Runner:
                 self._plain_round(batch, head, emitted)
                 continue
             last = [(head[s.request_id] or s.generated)[-1] for s in rows]
-            params = [s.request.sampling for s in rows]
+            params = [s.request.params.sampling for s in rows]
             keys = [s.keys for s in rows]
             if any(s.chooser is not None for s in rows):
                 choosers = [s.chooser for s in rows]
@@ -431,7 +431,7 @@ class Runner:
         for sequence, value in zip(rows, values, strict=True):
             emitted[sequence.request_id] = [*head[sequence.request_id], int(value)]  # type: ignore[arg-type]
 
-    def _speculate(self, sequence: Sequence, depth: int) -> list[int]:
+    def _speculate(self, sequence: RequestState, depth: int) -> list[int]:
         """A round at `depth` drafts; with an automatic depth, 0 is a pipelined plain step.
 
         Plain steps leave the next token pending (sampled, not yet read); a round
@@ -450,7 +450,9 @@ class Runner:
             started = self.clock()
             if sequence.pending is None:
                 logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
-                sequence.pending = sample(logits, sequence.request.sampling, sequence.keys.next())
+                sequence.pending = sample(
+                    logits, sequence.request.params.sampling, sequence.keys.next()
+                )
                 mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
                 clean = False
             else:
@@ -471,11 +473,11 @@ class Runner:
             if sequence.budget - len(first) <= 0:
                 return first
             logits = self.adapter.step(sequence.state, mx.array([last]))
-            token = sample(logits, sequence.request.sampling, sequence.keys.next())
+            token = sample(logits, sequence.request.params.sampling, sequence.keys.next())
             return [*first, token_id(token)]
         started = self.clock()
         tokens, drafted, accepted = drafter(
-            sequence.state, last, depth, sequence.request.sampling, sequence.keys
+            sequence.state, last, depth, sequence.request.params.sampling, sequence.keys
         )
         if not first:
             # After plain steps the first draft also folds their MTP entries in: a
@@ -483,11 +485,13 @@ class Runner:
             self._observe(depth, self.clock() - started)
         sequence.stats.record(drafted, accepted)
         sequence.plain_streak = 0
-        if self.chooser is not None:
-            self.chooser.record(drafted, accepted)
+        if self.depth_picker is not None:
+            self.depth_picker.record(drafted, accepted)
         return [*first, *tokens]
 
-    def _speculate_chosen(self, sequence: Sequence, chooser: TokenChooser, depth: int) -> list[int]:
+    def _speculate_chosen(
+        self, sequence: RequestState, chooser: TokenChooser, depth: int
+    ) -> list[int]:
         """`_speculate` for a request with a chooser: a round under its transforms
         (`MTPAdapter.speculate_chosen`), or one unpipelined step. Its rounds are not timed
         for the automatic depth: the grammar's masks make them dearer than others."""
@@ -503,10 +507,10 @@ class Runner:
         )
         sequence.stats.record(drafted, accepted)
         sequence.plain_streak = 0
-        if self.chooser is not None:
-            self.chooser.record(drafted, accepted)
+        if self.depth_picker is not None:
+            self.depth_picker.record(drafted, accepted)
         return list(tokens)
 
     def _observe(self, depth: int, seconds: float) -> None:
-        if self.chooser is not None:
-            self.chooser.observe(depth, seconds)
+        if self.depth_picker is not None:
+            self.depth_picker.observe(depth, seconds)

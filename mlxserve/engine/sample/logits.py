@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
-from mlxserve.engine.core.request import SamplingParams, TokenLogprob
+from mlxserve.channel.request import SamplingParams, TokenLogprob
 from mlxserve.engine.sample.grammar import Grammar
 from mlxserve.engine.sample.sampling import token_id
 

@@ -7,7 +7,7 @@ speculative rejection sampling compares the draft's and the target's.
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
-from mlxserve.engine.core.request import SamplingParams
+from mlxserve.channel.request import SamplingParams
 
 
 def probabilities(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mlxserve.engine.core.request import SamplingParams
+from mlxserve.channel.request import SamplingParams
 from mlxserve.engine.sample.sampling import KeyStream
 from mlxserve.engine.spec.mtp import (
     MTPAdapter,
@@ -90,6 +90,7 @@ def measure_round_costs(
     state, token = throwaway_state(adapter, context, max_rollback=max(steps, depth) + 1)
     # Distinct tokens: identical ones would all route to the same experts.
     varied = mx.array([(31 * i + 11) % vocab for i in range(depth + 1)], mx.int32)
+    queue_every = adapter.tuning.verify_queue_every_layers
 
     def plain() -> float:
         start = clock()
@@ -104,7 +105,7 @@ def measure_round_costs(
 
     def verify(k: int) -> float:
         start = clock()
-        streams = verify_streams(model, varied[None, : k + 1], state.cache, [])
+        streams = verify_streams(model, varied[None, : k + 1], state.cache, [], queue_every)
         logits = model.head_from_streams(streams)
         mx.eval(mx.argmax(logits, axis=-1), streams, [c.state for c in state.cache])
         elapsed = clock() - start

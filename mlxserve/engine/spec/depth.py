@@ -16,7 +16,7 @@ deeper now and then, but only while that position's acceptance or that depth's
 round time is still unknown, and only if the estimate puts it near the chosen
 depth: once measured, or estimated far worse, exploring would only cost rounds at
 a depth judged worse.
-Round costs start from a calibration (`round_costs.measure_round_costs`), its
+Round costs start from a calibration (`costs.measure_round_costs`), its
 probes interleaved so they compare like with like, and on a GPU follow the round
 times the engine observes (recent ones: a depth not timed for a while is priced by
 the calibration again, `STALE_AFTER`); timed by `mlxserve.hardware.clock` (CPU time on a CPU
@@ -102,7 +102,7 @@ PROBE_ROUNDS = 2 + MIN_OBSERVED
 
 
 class Pick(NamedTuple):
-    """What `DepthChooser.pick` decided for a request's next round."""
+    """What `DepthPicker.pick` decided for a request's next round."""
 
     #: drafts to run now (differs from ``chosen`` on a probe or an exploration)
     depth: int
@@ -161,8 +161,10 @@ def conditional_acceptance(
 
 
 @dataclass
-class DepthChooser:
-    """The engine's side: measured costs, the acceptance of past requests, the choice."""
+class DepthPicker:
+    """The engine's side: measured costs, the acceptance of past requests, the choice
+    of each round's depth (`pick`). A picker of depths, not of tokens: a request's
+    tokens are chosen by its `mlxserve.engine.sample.logits.TokenChooser`."""
 
     max_depth: int
     calibrated: RoundCosts

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from mlxserve.engine.core.request import SamplingParams
+from mlxserve.channel.request import SamplingParams
 from mlxserve.engine.sample.acceptance import greedy_accept, rejection_decision
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import KeyStream, token_id

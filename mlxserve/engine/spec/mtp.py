@@ -29,11 +29,12 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlxserve.engine.core.request import SamplingParams
+from mlxserve.channel.request import SamplingParams
 from mlxserve.engine.sample.acceptance import greedy_accept, rejection_decision
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import KeyStream, probabilities, sample, token_id
 from mlxserve.engine.spec.draft_choice import ChosenRound
+from mlxserve.hardware.tuning import EngineTuning, default_tuning, tune_model
 from mlxserve.kernels.buffers import own_buffers
 
 if TYPE_CHECKING:
@@ -47,32 +48,18 @@ MAX_DRAFT_DEPTH = 5
 #: Plain steps let the carry grow; past this many rows it is folded into the MTP cache.
 MAX_CARRY = 64
 
-#: A verify forward is queued for the device every this many layers (and the drafts
-#: before it), so the device runs while the host builds the rest of the round's graph.
-#: A round is waited for at once, so without this its graph building overlaps
-#: nothing: on an H200 a verify cost 1.4-1.5 plain steps (which overlap the next
-#: step's building), 17 of a plain step's ~50 ms being the graph's construction.
-QUEUE_EVERY_LAYERS = 4
 
-#: A prefill chunk is queued for the device after every this many layers (0: never).
-#: Evaluated in one piece, a chunk's graph kept every layer's activations alive until
-#: the device finished it: on the H200 a 116-token chunk of the demo added 7.3 MB over
-#: what was held (its weights are 2.9 MB), against 1.8 MB on a CPU, which frees them
-#: as it goes (`benchmarks/step_peaks.py`). Queued layer by layer, the device can work
-#: through the early layers, and free them, while the host builds the later ones. On
-#: this CPU what the 116-token chunk added over the memory held fell 3 % (its absolute
-#: peak 1 %); on the H200, and its effect on prefill speed there, it is not measured.
-PREFILL_QUEUE_EVERY_LAYERS = 1
-
-
-def verify_streams(model: Any, tokens: mx.array, cache: Any, drafts: list[mx.array]) -> mx.array:
+def verify_streams(
+    model: Any, tokens: mx.array, cache: Any, drafts: list[mx.array], queue_every: int
+) -> mx.array:
     """The verify forward of `tokens` [B, k + 1] (the last token and the drafts): the
-    device starts on the draft chain at once, then on the verify every
-    `QUEUE_EVERY_LAYERS` layers (read at each call, so a benchmark can set it; 0 queues
-    nothing). Returns the main model's streams [B, k + 1, hc, D]."""
-    if QUEUE_EVERY_LAYERS and drafts:
+    device starts on the draft chain at once, then on the verify every `queue_every`
+    layers (the tuning's `verify_queue_every_layers`; 0 queues nothing), so it runs
+    while the host builds the rest of the round, which is waited for at once
+    (docs/engine.md#tuning). Returns the main model's streams [B, k + 1, hc, D]."""
+    if queue_every and drafts:
         mx.async_eval(drafts)  # type: ignore[no-untyped-call]
-    streams: mx.array = model.forward_hidden(tokens, cache, queue_every=QUEUE_EVERY_LAYERS)
+    streams: mx.array = model.forward_hidden(tokens, cache, queue_every=queue_every)
     return streams
 
 
@@ -100,6 +87,11 @@ class MTPAdapter:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.max_draft_depth = MAX_DRAFT_DEPTH if model.num_mtp_blocks > 0 else 0
+        self.tuning = default_tuning()
+
+    def tune(self, tuning: EngineTuning) -> None:
+        self.tuning = tuning
+        tune_model(self.model, tuning)
 
     def new_state(self, max_rollback: int) -> MTPState:
         return MTPState(
@@ -134,10 +126,11 @@ class MTPAdapter:
     def prefill(self, state: Any, tokens: list[int]) -> None:
         assert isinstance(state, MTPState)
         array = mx.array(tokens)
-        streams = self.model.forward_hidden(
-            array[None], state.cache, queue_every=PREFILL_QUEUE_EVERY_LAYERS
-        )
-        if PREFILL_QUEUE_EVERY_LAYERS:
+        # Queued layer by layer, the device frees a layer's activations while the host
+        # builds the next ones (docs/engine.md#tuning).
+        queue_every = self.tuning.prefill_queue_every_layers
+        streams = self.model.forward_hidden(array[None], state.cache, queue_every=queue_every)
+        if queue_every:
             mx.async_eval(streams)  # type: ignore[no-untyped-call]
         self._carry(state, streams, array)
         self._fold(state, keep=1)
@@ -193,6 +186,11 @@ class MTPAdapter:
             draft_logits.append(last)
         return drafts, draft_logits, used
 
+    def _verify(self, state: MTPState, tokens: mx.array, drafts: list[mx.array]) -> mx.array:
+        """`verify_streams` of `tokens` [k + 1], queued as the tuning says."""
+        queue_every = self.tuning.verify_queue_every_layers
+        return verify_streams(self.model, tokens[None], state.cache, drafts, queue_every)
+
     def speculate(
         self, state: Any, last_token: int, depth: int, params: SamplingParams, keys: KeyStream
     ) -> tuple[list[int], int, int]:
@@ -202,7 +200,7 @@ class MTPAdapter:
         drafts, draft_logits, used = self._draft(state, last_token, depth, params, keys)
         draft_ids = mx.stack(drafts)
         verify_tokens = mx.concatenate([mx.array([last_token]), draft_ids.astype(mx.int32)])
-        main_streams = verify_streams(self.model, verify_tokens[None], state.cache, drafts)
+        main_streams = self._verify(state, verify_tokens, drafts)
         main_logits = self.model.head_from_streams(main_streams)[0]
         caches = [c.state for c in (*state.cache, *state.mtp_cache)]
         if params.greedy:
@@ -238,7 +236,7 @@ class MTPAdapter:
             state, last_token, depth, chooser.params, keys, propose=chosen.propose
         )
         verify_tokens = mx.concatenate([mx.array([last_token]), mx.stack(drafts)])
-        main_streams = verify_streams(self.model, verify_tokens[None], state.cache, drafts)
+        main_streams = self._verify(state, verify_tokens, drafts)
         main_logits = self.model.head_from_streams(main_streams)[0]
         caches = [c.state for c in (*state.cache, *state.mtp_cache)]
         mx.async_eval(main_logits, main_streams, caches)  # type: ignore[no-untyped-call]

@@ -13,9 +13,10 @@ inverse rotation at the query position.
 A decoding query sees its whole window and every closed entry, or its gathered picks
 (so its cost does not grow with the number of entries): one SDPA call, no mask. A
 forward of several queries (a verify, a prefill chunk) gives each its own window and
-entries: one SDPA call with a boolean mask, or, where ``mlxserve.kernels.attention``
-says so (CUDA, for a verify's 2-8 queries), one unmasked call per query over exactly
-the keys it sees.
+entries: one SDPA call with a boolean mask, or, where the tuning's
+``split_attention_queries`` says so (by default on CUDA, for a verify's 2-8 queries;
+``mlxserve.kernels.attention``), one unmasked call per query over exactly the keys it
+sees.
 
 A batch of sequences comes as ``RowCaches`` (each row's own cache: the core runs row
 by row, any number of tokens) or, for decode steps, as ``StackedRows`` (the rows'
@@ -31,6 +32,7 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
 from mlx_lm.models.switch_layers import SwitchLinear
 
+from mlxserve.hardware.tuning import default_tuning
 from mlxserve.kernels.attention import split_queries
 
 from .cache import LayerCache, RowCaches
@@ -96,6 +98,8 @@ class Attention(Module):
         self._group_ids = mx.arange(self.o_groups)[None]
         # Set by ``shard``: this rank holds some output groups, so sum ``wo_b``'s partials.
         self.sharding_group: mx.distributed.Group | None = None
+        # The tuning's knob (``Model.tune``): a forward of a few queries split per query.
+        self.split_attention_queries = default_tuning().split_attention_queries
 
         rope_key = "main" if layer_type == SLIDING else "compress"
         self.rope = PartialRoPE(
@@ -203,7 +207,7 @@ class Attention(Module):
                     entries = mx.take_along_axis(entries, chosen[:, 0, :, None], axis=1)
                 keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
             return self._sdpa(q, keys, None)
-        if split_queries(length) and (
+        if split_queries(length, self.split_attention_queries) and (
             chosen is None or (start + 1) // self.ratio >= self.indexer.index_topk
         ):
             # (With picks, the first query already sees index_topk entries, so every

@@ -13,11 +13,12 @@ CUDA, where v41's op loop is ~80.
 A decode step or a verify forward is bound by launches and the host's graph
 building (about 180 nodes per layer), and the hyper-connections around each block
 are a string of tiny element-wise ops. ``enter`` and ``leave`` therefore run under
-``mx.compile`` for forwards of a few rows (``COMPILED_MAX_ROWS``): each element-wise
-string becomes one kernel, and the host replays a traced graph. Larger forwards (a
-prefill) keep the ops, so no compilation is made per prompt length. The compiled
-functions compute the same ops in the same order; each checks itself once per
-process against the ops (``compiled_agrees``) and is not used if it disagrees.
+``mx.compile`` for forwards of a few rows (the tuning's ``compiled_hc_max_rows``, set
+by ``Model.tune``): each element-wise string becomes one kernel, and the host replays
+a traced graph. Larger forwards (a prefill) keep the ops, so no compilation is made
+per prompt length. The compiled functions compute the same ops in the same order;
+each checks itself once per process against the ops (``compiled_agrees``) and is not
+used if it disagrees.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.models.deepseek_v41 import HyperConnection as V41HyperConnection
+from mlx_lm.models.deepseek_v41 import ModelArgs as V41ModelArgs
 
+from mlxserve.hardware.tuning import default_tuning
 from mlxserve.kernels.sinkhorn import sinkhorn
 
 from .config import ModelArgs
@@ -37,11 +40,6 @@ from .config import ModelArgs
 __all__ = ["HyperConnection", "HyperHead", "collapse", "expand"]
 
 log = logging.getLogger(__name__)
-
-#: Forwards of at most this many rows (batch x tokens) use the compiled functions.
-COMPILED_MAX_ROWS = 64
-#: Set False to run the ops (benchmarks compare both ways).
-COMPILED = True
 
 
 def collapse(streams: mx.array, pre: mx.array) -> mx.array:
@@ -136,7 +134,12 @@ def compiled_agrees(constants: MixConstants) -> bool:
 class HyperConnection(V41HyperConnection):
     """v41's module (same parameters and maths) with the Sinkhorn loop of
     ``mlxserve.kernels.sinkhorn`` (one launch on CUDA), entered and left through
-    `enter` and `leave`, compiled for small forwards."""
+    `enter` and `leave`, compiled for forwards of at most ``compiled_max_rows`` rows
+    (batch x tokens; 0: never)."""
+
+    def __init__(self, args: V41ModelArgs) -> None:
+        super().__init__(args)
+        self.compiled_max_rows = default_tuning().compiled_hc_max_rows
 
     @property
     def constants(self) -> MixConstants:
@@ -144,7 +147,7 @@ class HyperConnection(V41HyperConnection):
 
     def _compiles(self, streams: mx.array) -> bool:
         rows = streams.shape[0] * streams.shape[1]
-        return COMPILED and rows <= COMPILED_MAX_ROWS and compiled_agrees(self.constants)
+        return rows <= self.compiled_max_rows and compiled_agrees(self.constants)
 
     def __call__(self, streams: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(pre, post, comb) from the streams, as v41's module returns them."""

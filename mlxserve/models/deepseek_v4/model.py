@@ -25,6 +25,8 @@ from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
 from mlx.utils import tree_flatten
 
+from mlxserve.hardware.tuning import EngineTuning
+
 from .attention import Attention
 from .cache import LayerCache, RowCaches
 from .config import ModelArgs
@@ -197,6 +199,16 @@ class Model(Module):
     ) -> None:
         """Only the cache entries of ``mtp_forward``; see ``mtp.mtp_fill``."""
         mtp_fill(self, streams, next_tokens, cache, block)
+
+    def tune(self, tuning: EngineTuning) -> None:
+        """Run every layer, the MTP blocks' too, with the tuning's knobs: forwards of
+        how many rows compile their hyper-connections, and whether a few queries'
+        attention is split per query."""
+        for module in self.modules():  # type: ignore[no-untyped-call]
+            if isinstance(module, HyperConnection):
+                module.compiled_max_rows = tuning.compiled_hc_max_rows
+            elif isinstance(module, Attention):
+                module.split_attention_queries = tuning.split_attention_queries
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Accept the ``transformers`` / DeepSeek layouts (see ``sanitize.py``).

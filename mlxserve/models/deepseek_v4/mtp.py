@@ -87,8 +87,8 @@ def mtp_fill(
     attention core (row by row for a batch), the MoE, the second hyper-connection or
     the vocabulary head. MLX never computes those unread parts, so what this saves
     is building their graph on the host (for a batch, the attention core once per
-    row); on the H200 the demo engine's rate did not change beyond noise
-    (``benchmarks/engine_profile.py --ab-fill``). Other blocks run ``mtp_forward``.
+    row), not the device's work (docs/engine.md#batching-measured: ``--ab-fill``).
+    Other blocks run ``mtp_forward``.
     """
     mtp = model.mtp[block]
     if mtp.attn.layer_type != SLIDING:

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mlxserve.models.deepseek_v4.encoding import ASSISTANT, BOS, EOS, USER
+from mlxserve.chat.deepseek_v4.encoding import ASSISTANT, BOS, EOS, USER
 
 from .build import MARKER, build_demo_model, build_once
 

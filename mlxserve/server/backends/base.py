@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mlxserve.engine.core.request import TokenLogprob
+from mlxserve.channel.request import GenerationParams, TokenLogprob
 
 
 class BackendError(Exception):
@@ -44,28 +44,6 @@ class BackendRefused(BackendUnavailable):
 
 class BackendRejected(BackendError):
     """The backend refused the request itself (a 4xx from a remote): retrying won't help."""
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    #: The model's end-of-sequence ids; empty: keep going past them (``ignore_eos``).
-    stop_token_ids: tuple[int, ...] = ()
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    logprobs: int | None = None
-    #: An llguidance grammar the answer must follow (`mlxserve.server.constraints`).
-    grammar: str | None = None
-    #: Tokens at the end of the prompt already generated under the grammar (a resume).
-    grammar_prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,9 @@ from mlxserve.channel.messages import (
     StatusRequest,
     decode_engine,
     encode,
-    sampling_wire,
 )
 from mlxserve.channel.messages import Tokens as Tokens_
-from mlxserve.engine.core.request import TokenLogprob
+from mlxserve.channel.request import GenerationParams
 from mlxserve.reliability.hang import EngineStatus, Evidence, HangDetector, LoopPauses
 from mlxserve.server.backends.base import (
     Backend,
@@ -50,7 +49,6 @@ from mlxserve.server.backends.base import (
     BackendRequestFailed,
     BackendUnavailable,
     Finished,
-    GenerationParams,
     Tokens,
 )
 
@@ -367,12 +365,7 @@ class LocalEngine(Backend):
             self.detector.heard(time.monotonic())
             if queue is not None:
                 self.proof_of_life()
-                logprobs = None
-                if message.logprobs is not None:
-                    logprobs = tuple(
-                        TokenLogprob(r.token, r.logprob, tuple(r.top)) for r in message.logprobs
-                    )
-                queue.put_nowait(Tokens(tuple(message.token_ids), logprobs))
+                queue.put_nowait(Tokens(tuple(message.token_ids), message.logprobs))
         elif isinstance(message, Finish):
             self.detector.done(message.id)
             self.detector.heard(time.monotonic())
@@ -454,18 +447,7 @@ class LocalEngine(Backend):
         self.state.in_flight += 1
         try:
             self.detector.sent(request_id, started)
-            self._send(
-                Generate(
-                    id=request_id,
-                    prompt_ids=list(params.prompt_ids),
-                    max_tokens=params.max_tokens,
-                    stop_token_ids=list(params.stop_token_ids),
-                    speculative_depth=None,
-                    **sampling_wire(params),
-                    grammar=params.grammar,
-                    grammar_prefix=list(params.grammar_prefix),
-                )
-            )
+            self._send(Generate(id=request_id, params=params))
             while True:
                 try:
                     # asyncio.timeout, not wait_for: no task per token (3.11's wait_for

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.server.backends.base import (
     Backend,
     BackendError,
@@ -32,11 +33,10 @@ from mlxserve.server.backends.base import (
     BackendRequestFailed,
     BackendUnavailable,
     Finished,
-    GenerationParams,
     Tokens,
 )
-from mlxserve.server.codec import Codec
 from mlxserve.server.errors import RequestFailed
+from mlxserve.server.tokenizer import FrontTokenizer
 
 CONNECT_TIMEOUT_S = 5.0
 #: The error code with which mlxserve reports a failure of the request itself.
@@ -50,7 +50,7 @@ def refused_fields(params: GenerationParams) -> list[str]:
         # response_format would be another request (the prompt is built already).
         "grammar": params.grammar is not None,
         # Logprobs come back per piece of text, not per token id of this tokenizer.
-        "logprobs": params.logprobs is not None,
+        "logprobs": params.sampling.logprobs is not None,
     }
     return [name for name, on in asked.items() if on]
 
@@ -68,24 +68,26 @@ def completion_body(params: GenerationParams, model: str, prompt: str) -> dict[s
     ``grammar_prefix`` is the prompt's own tail, which the prompt text carries;
     it matters only to a grammar, and a grammar is refused.
     """
+    sampling = params.sampling
+    repetition = sampling.repetition_penalty
     body: dict[str, Any] = {
         "model": model,
         "prompt": prompt,
         "max_tokens": params.max_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
     optional: dict[str, Any] = {
-        "seed": params.seed,
+        "seed": sampling.seed,
         "ignore_eos": True if not params.stop_token_ids else None,
-        "top_k": params.top_k or None,
-        "min_p": params.min_p or None,
-        "presence_penalty": params.presence_penalty or None,
-        "frequency_penalty": params.frequency_penalty or None,
-        "repetition_penalty": None if params.repetition_penalty == 1 else params.repetition_penalty,
-        "logit_bias": {str(t): b for t, b in params.logit_bias} or None,
+        "top_k": sampling.top_k or None,
+        "min_p": sampling.min_p or None,
+        "presence_penalty": sampling.presence_penalty or None,
+        "frequency_penalty": sampling.frequency_penalty or None,
+        "repetition_penalty": None if repetition == 1 else repetition,
+        "logit_bias": {str(t): b for t, b in sampling.logit_bias} or None,
     }
     body.update({key: value for key, value in optional.items() if value is not None})
     return body
@@ -99,7 +101,7 @@ class RemoteBackend(Backend):
         name: str,
         url: str,
         *,
-        codec: Codec,
+        tokenizer: FrontTokenizer,
         api_key: str | None,
         request_timeout_s: float,
         context_length: int,
@@ -107,7 +109,7 @@ class RemoteBackend(Backend):
     ) -> None:
         super().__init__(name)
         self.url = url.rstrip("/")
-        self._codec = codec
+        self._tokenizer = tokenizer
         self._api_key = api_key
         self._timeout = httpx.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S)
         self._context_length = context_length
@@ -141,7 +143,7 @@ class RemoteBackend(Backend):
         self.info = BackendInfo(
             model=self._model,
             context_length=context,
-            eos_token_ids=tuple(self._codec.eos_token_ids),
+            eos_token_ids=tuple(self._tokenizer.eos_token_ids),
         )
         return self.info
 
@@ -162,7 +164,7 @@ class RemoteBackend(Backend):
                 f"remote '{self.name}' cannot honour {' and '.join(refused)} (an "
                 "OpenAI-compatible /completions has no such field); it needs a local engine"
             )
-        body = completion_body(params, self._model, self._codec.decode(list(params.prompt_ids)))
+        body = completion_body(params, self._model, self._tokenizer.decode(list(params.prompt_ids)))
         self.state.in_flight += 1
         try:
             async with self._client.stream("POST", "/completions", json=body) as response:
@@ -192,7 +194,7 @@ class RemoteBackend(Backend):
                 kind = _failure_kind(error)
                 raise kind(f"remote '{self.name}': {_message(error)}")
             for choice in chunk.get("choices") or []:
-                ids = self._codec.text_ids(choice.get("text") or "")
+                ids = self._tokenizer.text_ids(choice.get("text") or "")
                 if ids:
                     generated += len(ids)
                     self.proof_of_life()

@@ -1,6 +1,6 @@
 """POST /v1/chat/completions.
 
-The prompt comes from `chat_prompt` (template, DeepSeek-V4 encoder or transcript);
+The prompt comes from `mlxserve.chat` (template, DeepSeek-V4 encoder or transcript);
 the answer's text goes through `ChatOutput`, which splits off the reasoning and
 reads tool calls, so the same pieces make a `message` or a stream of `delta`s.
 """
@@ -16,12 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxserve.engine.core.request import TokenLogprob
-from mlxserve.models.tool_calls import ParsedToolCall
-from mlxserve.server.chat_output import ChatOutput, Content, Piece, Reasoning
-from mlxserve.server.chat_prompt import ChatPrompt
+from mlxserve.channel.request import TokenLogprob
+from mlxserve.chat import ChatOutput, ChatPrompt, Content, ParsedToolCall, Piece, Reasoning
 from mlxserve.server.choices import fan_out
-from mlxserve.server.codec import Codec
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.generation import Delta, Prepared
 from mlxserve.server.logprobs import chat_logprobs
@@ -49,6 +46,7 @@ from mlxserve.server.routes.common import (
     with_first,
 )
 from mlxserve.server.sse import sse_response
+from mlxserve.server.tokenizer import FrontTokenizer
 
 
 def chat_logprobs_count(body: ChatCompletionRequest) -> int | None:
@@ -61,15 +59,14 @@ def _prepare(call: ChatCall[ChatCompletionRequest]) -> Prepared:
     """The route's checks and its generation (in a worker thread: see `read_generation`)."""
     body = call.body
     call.refuse_prefill(f"messages.{len(body.messages) - 1}.role")
-    extra = call.extra()
-    extra["logprobs"] = chat_logprobs_count(body)
+    grammar = call.grammar()  # a bad response format is refused before bad logprobs
     limit_param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-    return call.prepare(limit_param=limit_param, extra=extra)
+    return call.prepare(grammar, limit_param=limit_param, logprobs=chat_logprobs_count(body))
 
 
 async def chat_completions(request: Request) -> Response:
     call, prepared = await read_generation(request, ChatCompletionRequest, as_chat, _prepare)
-    body, prompt, codec = call.body, call.prompt, call.runtime.codec
+    body, prompt, tokenizer = call.body, call.prompt, call.runtime.tokenizer
     generations = call.runtime.generations
     meta: dict[str, Any] = {
         "id": f"chatcmpl-{prepared.request_id}",
@@ -77,7 +74,7 @@ async def chat_completions(request: Request) -> Response:
         "model": body.model,
     }
     n = body.n or 1
-    answers = [Answer(prompt, codec) for _ in range(n)]
+    answers = [Answer(prompt, tokenizer) for _ in range(n)]
     tagged = fan_out(generations, prepared, n)
     first = await anext(tagged)  # the first token, or the error with its real status
     if not body.stream:
@@ -113,7 +110,7 @@ class Answer:
     """One answer's pieces as they come, and what its end reports."""
 
     prompt: ChatPrompt
-    codec: Codec
+    tokenizer: FrontTokenizer
     output: ChatOutput = field(init=False)
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
@@ -147,7 +144,7 @@ class Answer:
 
     def logprobs_dict(self, records: Sequence[TokenLogprob] | None = None) -> dict[str, Any] | None:
         records = self.logprobs if records is None else records
-        return None if records is None else chat_logprobs(self.codec, records)
+        return None if records is None else chat_logprobs(self.tokenizer, records)
 
     def finish(self, last: Delta) -> str:
         reason = last.finish_reason or "stop"
@@ -158,7 +155,7 @@ class Answer:
         marker = self.prompt.reasoning_end
         if marker is not None:
             ids = list(last.token_ids)
-            through = self.codec.tokens_through(ids, marker)
+            through = self.tokenizer.tokens_through(ids, marker)
             reasoning = len(ids) if through is None else through
             usage.completion_tokens_details = {"reasoning_tokens": reasoning}
         return usage

@@ -16,32 +16,35 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from starlette.requests import Request
 
+from mlxserve.chat import ChatPrompt
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from mlxserve.server.chat_prompt import ChatPrompt, build_chat_prompt
-from mlxserve.server.codec import Codec
+from mlxserve.server.chat_request import chat_prompt
 from mlxserve.server.constraints import after_reasoning, response_format_grammar
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.generation import Prepared
 from mlxserve.server.protocol import ChatCompletionRequest
 from mlxserve.server.responses_protocol import ResponsesRequest
-from mlxserve.server.routes.common import off_loop, parse_body, runtime_of, sampling_extra
+from mlxserve.server.routes.common import off_loop, parse_body, runtime_of, sampling_of
 from mlxserve.server.runtime import Runtime
+from mlxserve.server.tokenizer import FrontTokenizer
 
 Body = TypeVar("Body", ChatCompletionRequest, MessagesRequest, CountTokensRequest, ResponsesRequest)
 
 
-def chat_grammar(body: ChatCompletionRequest, prompt: ChatPrompt, codec: Codec) -> str | None:
+def chat_grammar(
+    body: ChatCompletionRequest, prompt: ChatPrompt, tokenizer: FrontTokenizer
+) -> str | None:
     """The answer's grammar: a forced tool call's, or the response format's (checked
     against the model's tokenizer before admission: a 400 names a bad schema)."""
     if prompt.grammar is not None:
         return prompt.grammar  # a forced tool call's, reasoning included
-    grammar = response_format_grammar(body.response_format, codec)
+    grammar = response_format_grammar(body.response_format, tokenizer)
     if grammar is not None and prompt.reasoning_end is not None:
-        grammar = after_reasoning(grammar, prompt.reasoning_end, codec, "response_format")
+        grammar = after_reasoning(grammar, prompt.reasoning_end, tokenizer, "response_format")
     return grammar
 
 
@@ -56,11 +59,9 @@ class ChatCall(Generic[Body]):
     #: The field a prompt too long for the context is refused under.
     prompt_param: str = "messages"
 
-    def extra(self) -> dict[str, Any]:
-        """The sampling fields beyond temperature, top_p and seed, and the grammar."""
-        extra = sampling_extra(self.chat)
-        extra["grammar"] = chat_grammar(self.chat, self.prompt, self.runtime.codec)
-        return extra
+    def grammar(self) -> str | None:
+        """The answer's grammar (`chat_grammar`); a bad response format is a 400."""
+        return chat_grammar(self.chat, self.prompt, self.runtime.tokenizer)
 
     def refuse_prefill(self, param: str) -> None:
         """A generating route's check: a conversation that ends with the assistant's
@@ -76,26 +77,21 @@ class ChatCall(Generic[Body]):
             )
 
     def prepare(
-        self,
-        *,
-        limit_param: str = "max_tokens",
-        extra: dict[str, Any] | None = None,
+        self, grammar: str | None, *, limit_param: str = "max_tokens", logprobs: int | None = None
     ) -> Prepared:
         """The checked generation of this call, from its internal chat request (the
-        limit, temperature, top_p, seed, stops, ignore_eos) and `extra` (by default
-        `self.extra()`): every API reads them the same way, whichever it came by."""
+        limit, the sampling, stops, ignore_eos), its `grammar` (`self.grammar()`) and the
+        route's ``logprobs``: every API reads them the same way, whichever it came by."""
         chat = self.chat
         return self.runtime.generations.prepare(
             self.prompt.ids,
             max_tokens=chat.token_limit,
-            temperature=chat.temperature,
-            top_p=chat.top_p,
-            seed=chat.seed,
+            sampling=sampling_of(chat, logprobs),
             stops=chat.stop_strings(),
+            grammar=grammar,
             ignore_eos=bool(chat.ignore_eos),
             limit_param=limit_param,
             prompt_param=self.prompt_param,
-            extra=self.extra() if extra is None else extra,
         )
 
 
@@ -139,7 +135,7 @@ def open_chat(
         if prompt_param is None
         else functools.partial(runtime.generations.prompt_ids, param=prompt_param)
     )
-    prompt = build_chat_prompt(chat, runtime.codec, runtime.settings.chat.thinking, encode)
+    prompt = chat_prompt(chat, runtime.tokenizer, runtime.settings.chat.thinking, encode)
     return ChatCall(runtime, body, chat, prompt, prompt_param or "messages")
 
 

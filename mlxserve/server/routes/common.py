@@ -12,10 +12,11 @@ from typing import Any, ParamSpec, TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from mlxserve.channel.request import SamplingParams
 from mlxserve.server import json_limits
 from mlxserve.server.errors import InvalidRequest, from_validation_error, invalid_json
 from mlxserve.server.generation import Delta
-from mlxserve.server.protocol import GenerationBody, Usage
+from mlxserve.server.protocol import SEED_RANGE, GenerationBody, Usage
 from mlxserve.server.runtime import Runtime
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -238,13 +239,19 @@ async def off_loop(
     return await runtime_of(request).workers.run(size, fn, *args, **kwargs)
 
 
-def sampling_extra(body: GenerationBody) -> dict[str, Any]:
-    """The request's sampling fields beyond temperature, top_p and seed."""
-    return {
-        "top_k": body.top_k or 0,
-        "min_p": body.min_p or 0.0,
-        "presence_penalty": body.presence_penalty or 0.0,
-        "frequency_penalty": body.frequency_penalty or 0.0,
-        "repetition_penalty": body.repetition_penalty or 1.0,
-        "logit_bias": body.logit_bias_pairs(),
-    }
+def sampling_of(body: GenerationBody, logprobs: int | None = None) -> SamplingParams:
+    """The request's sampling, as the engine's sampler will read it: OpenAI's defaults
+    for what the body leaves out (temperature and top_p 1, the vendor extensions off),
+    the seed within [0, 2^63). ``logprobs``: the API's own field, read by its route."""
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=None if body.seed is None else body.seed % SEED_RANGE,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        logit_bias=body.logit_bias_pairs(),
+        logprobs=logprobs,
+    )

@@ -10,9 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxserve.engine.core.request import TokenLogprob
+from mlxserve.channel.request import TokenLogprob
 from mlxserve.server.choices import fan_out
-from mlxserve.server.codec import Codec
 from mlxserve.server.generation import Delta, Generations, Prepared
 from mlxserve.server.logprobs import completion_logprobs
 from mlxserve.server.protocol import Completion, CompletionChoice, CompletionRequest, Usage
@@ -25,12 +24,13 @@ from mlxserve.server.routes.common import (
     off_loop,
     parse_body,
     runtime_of,
-    sampling_extra,
+    sampling_of,
     total_usage,
     usage_of,
     with_first,
 )
 from mlxserve.server.sse import sse_response
+from mlxserve.server.tokenizer import FrontTokenizer
 
 
 def _prepare(generations: Generations, body: CompletionRequest) -> Prepared:
@@ -43,19 +43,14 @@ def _prepare(generations: Generations, body: CompletionRequest) -> Prepared:
         prompt_ids = generations.prompt_ids(prompt, param="prompt")
     else:
         prompt_ids = prompt
-    extra = sampling_extra(body)
-    extra["logprobs"] = body.logprobs
     return generations.prepare(
         prompt_ids,
         max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        seed=body.seed,
+        sampling=sampling_of(body, body.logprobs),
         stops=body.stop_strings(),
         ignore_eos=bool(body.ignore_eos),
         prompt_param="prompt",
         continues_prompt=True,
-        extra=extra,
     )
 
 
@@ -89,7 +84,7 @@ async def completions(request: Request) -> Response:
                 index=i,
                 text="".join(texts[i]),
                 finish_reason=lasts[i].finish_reason or "stop",
-                logprobs=_logprobs(runtime.codec, records[i], body.logprobs),
+                logprobs=_logprobs(runtime.tokenizer, records[i], body.logprobs),
             )
             for i in range(n)
         ]
@@ -97,14 +92,14 @@ async def completions(request: Request) -> Response:
         usage = total_usage([usage_of(lasts[i]) for i in range(n)])
         completion = Completion(**meta, choices=choices, usage=usage, speculative=last.speculative)
         return JSONResponse(dump(completion), headers=backend_header(last))
-    chunks = _chunks(first, tagged, meta, body.include_usage, runtime.codec, body.logprobs)
+    chunks = _chunks(first, tagged, meta, body.include_usage, runtime.tokenizer, body.logprobs)
     return sse_response(chunks, headers=backend_header(first[1]))
 
 
 def _logprobs(
-    codec: Codec, records: list[TokenLogprob], asked: int | None, offset: int = 0
+    tokenizer: FrontTokenizer, records: list[TokenLogprob], asked: int | None, offset: int = 0
 ) -> dict[str, Any] | None:
-    return None if asked is None else completion_logprobs(codec, records, offset)
+    return None if asked is None else completion_logprobs(tokenizer, records, offset)
 
 
 async def _chunks(
@@ -112,7 +107,7 @@ async def _chunks(
     rest: AsyncGenerator[tuple[int, Delta], None],
     meta: dict[str, Any],
     include_usage: bool,
-    codec: Codec,
+    tokenizer: FrontTokenizer,
     logprobs: int | None,
 ) -> AsyncGenerator[dict[str, Any], None]:
     started: set[int] = set()
@@ -128,7 +123,7 @@ async def _chunks(
                     index=index,
                     text=delta.text,
                     finish_reason=delta.finish_reason,
-                    logprobs=_logprobs(codec, list(delta.logprobs or ()), logprobs, offset),
+                    logprobs=_logprobs(tokenizer, list(delta.logprobs or ()), logprobs, offset),
                 )
                 offsets[index] = offset + len(delta.text)
                 yield dump(Completion(**meta, choices=[choice]))

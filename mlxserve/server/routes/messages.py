@@ -1,6 +1,6 @@
 """POST /v1/messages and /v1/messages/count_tokens: the Anthropic Messages API.
 
-A thin codec: the request becomes the internal chat request (`to_chat`), which goes
+A thin tokenizer: the request becomes the internal chat request (`to_chat`), which goes
 through the same prompt builder, grammar, generation and answer splitting as the
 chat completions route; the pieces (reasoning, text, tool calls) come out as
 Anthropic content blocks, whole or as its event sequence (``message_start``, per
@@ -19,9 +19,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxserve.models.tool_calls import ParsedToolCall
+from mlxserve.chat import Content, ParsedToolCall, Piece, Reasoning
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
-from mlxserve.server.chat_output import Content, Piece, Reasoning
 from mlxserve.server.errors import anthropic_error
 from mlxserve.server.generation import Delta, Prepared
 from mlxserve.server.routes.chat import Answer
@@ -63,7 +62,7 @@ def _tool_block(call: ParsedToolCall) -> dict[str, Any]:
 def _prepare(call: ChatCall[MessagesRequest]) -> Prepared:
     """The route's checks and its generation (in a worker thread: see `read_generation`)."""
     call.refuse_prefill(f"messages.{len(call.body.messages) - 1}.role")
-    return call.prepare()
+    return call.prepare(call.grammar())
 
 
 async def messages(request: Request) -> Response:
@@ -71,7 +70,7 @@ async def messages(request: Request) -> Response:
     body, prompt = call.body, call.prompt
     generations = call.runtime.generations
     message_id = f"msg_{prepared.request_id}"
-    answer = Answer(prompt, call.runtime.codec)
+    answer = Answer(prompt, call.runtime.tokenizer)
     deltas = generations.run(prepared)
     first = await anext(deltas)  # the first token, or the error with its real status
     if not body.stream:

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlxserve.server.chat_output import Content, Piece, Reasoning
+from mlxserve.chat import Content, Piece, Reasoning
 from mlxserve.server.errors import APIError
 from mlxserve.server.generation import Delta, Prepared
 from mlxserve.server.responses_protocol import ResponsesRequest, to_chat
@@ -210,7 +210,7 @@ def _prepare(call: ChatCall[ResponsesRequest]) -> Prepared:
     """The route's checks and its generation (in a worker thread: see `read_generation`)."""
     given = call.body.input
     call.refuse_prefill(f"input.{len(given) - 1}" if isinstance(given, list) else "input")
-    return call.prepare(limit_param="max_output_tokens")
+    return call.prepare(call.grammar(), limit_param="max_output_tokens")
 
 
 async def responses(request: Request) -> Response:
@@ -238,7 +238,7 @@ async def responses(request: Request) -> Response:
         "error": None,
         "incomplete_details": None,
     }
-    answer = Answer(prompt, call.runtime.codec)
+    answer = Answer(prompt, call.runtime.tokenizer)
     items = _Items()
     deltas = generations.run(prepared)
     first = await anext(deltas)  # the first token, or the error with its real status

@@ -56,15 +56,15 @@ def _completion_tokens(runtime: Runtime, body: CompletionRequest) -> tuple[list[
     runtime.generations.check_model(body.model)
     single = body.single_prompt()
     if isinstance(single, str):
-        return runtime.codec.text_ids(single), single
+        return runtime.tokenizer.text_ids(single), single
     ids = runtime.generations.checked_ids(single, param="prompt")
-    return ids, runtime.codec.decode(ids)
+    return ids, runtime.tokenizer.decode(ids)
 
 
 def _detokenized(runtime: Runtime, body: DetokenizeRequest) -> str:
     runtime.generations.check_model(body.model)
     ids = runtime.generations.checked_ids(body.tokens, param="tokens")
-    return runtime.codec.decode(ids)
+    return runtime.tokenizer.decode(ids)
 
 
 async def detokenize(request: Request) -> Response:

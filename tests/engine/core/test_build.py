@@ -8,7 +8,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 
 from mlxserve.config import load_settings
 from mlxserve.engine.core.build import load_for_serving
-from mlxserve.policy.build import build_plan
+from mlxserve.startup.plan import build_plan
 from tests.engine.v4_models import tiny_v4
 from tests.models.tp_worker import TP_SIZES, save_checkpoint
 

@@ -4,9 +4,10 @@ import time
 
 import pytest
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.build import adapter_for, materialize
-from mlxserve.engine.core.engine import Engine, EngineConfig
 from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from tests.engine.drive import collect, run
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,8 @@ def test_prefix_reuse_ttft_is_a_small_fraction_of_cold() -> None:
     def first_token_time(engine: Engine, request_id: str) -> tuple[float, int]:
         """With max_tokens=1 the request ends at its first token: its time is the TTFT."""
         started = time.perf_counter()
-        _, finish = run(engine, GenerationRequest(request_id, prompt, 1))[request_id]
+        request = GenerationRequest(request_id, GenerationParams(prompt, 1))
+        _, finish = run(engine, request)[request_id]
         return time.perf_counter() - started, finish.usage.cached_tokens
 
     timing = fresh_engine()
@@ -38,8 +40,8 @@ def test_prefix_reuse_ttft_is_a_small_fraction_of_cold() -> None:
     assert warm < 0.5 * cold
 
     outputs = fresh_engine()
-    cold_tokens, _ = run(outputs, GenerationRequest("a", prompt, 24))["a"]
-    warm_tokens, finish = run(outputs, GenerationRequest("b", prompt, 24))["b"]
+    cold_tokens, _ = run(outputs, GenerationRequest("a", GenerationParams(prompt, 24)))["a"]
+    warm_tokens, finish = run(outputs, GenerationRequest("b", GenerationParams(prompt, 24)))["b"]
     assert finish.usage.cached_tokens == len(prompt) - 1
     assert warm_tokens == cold_tokens
 
@@ -62,14 +64,21 @@ def test_demo_requests_in_a_batch_equal_alone() -> None:
     alone = {}
     for rid, prompt in prompts.items():
         engine = Engine(adapter_for(model, 3), EngineConfig(speculative_depth=3))
-        alone[rid] = run(engine, GenerationRequest(rid, prompt, budget[rid]))[rid][0]
+        request = GenerationRequest(rid, GenerationParams(prompt, budget[rid]))
+        alone[rid] = run(engine, request)[rid][0]
 
     engine = Engine(adapter_for(model, 3), EngineConfig(speculative_depth=3, prefill_step=16))
-    streams = [engine.submit(GenerationRequest(r, prompts[r], budget[r])) for r in ("a", "b")]
+    streams = [
+        engine.submit(GenerationRequest(r, GenerationParams(prompts[r], budget[r])))
+        for r in ("a", "b")
+    ]
     biggest = 0
     for _ in range(10):
         engine.run_once()
-    streams += [engine.submit(GenerationRequest(r, prompts[r], budget[r])) for r in ("c", "d")]
+    streams += [
+        engine.submit(GenerationRequest(r, GenerationParams(prompts[r], budget[r])))
+        for r in ("c", "d")
+    ]
     for _ in range(2000):
         biggest = max([biggest, *(len(b.rows) for b in engine.runner.batches)])
         if not engine.run_once():

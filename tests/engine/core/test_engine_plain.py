@@ -4,8 +4,9 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.generate import generate_step
 
-from mlxserve.engine.core.engine import Engine, EngineConfig
-from mlxserve.engine.core.request import FinishEvent, GenerationRequest, SamplingParams
+from mlxserve.channel.request import GenerationParams, SamplingParams
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter
 from tests.engine.drive import run
 
@@ -22,7 +23,7 @@ def reference_greedy(model: Module, prompt: tuple[int, ...], n: int) -> list[int
 def test_greedy_matches_mlx_lm(llama_model: Module) -> None:
     expected = reference_greedy(llama_model, PROMPT, 24)
     engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=8))
-    tokens, finish = run(engine, GenerationRequest("a", PROMPT, max_tokens=24))["a"]
+    tokens, finish = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 24)))["a"]
     assert tokens == expected
     assert finish.finish_reason == "length"
     assert finish.usage.completion_tokens == 24 and finish.usage.prompt_tokens == len(PROMPT)
@@ -33,8 +34,8 @@ def test_concurrent_requests_interleave_and_match(llama_model: Module) -> None:
     engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=4, max_running=4))
     results = run(
         engine,
-        GenerationRequest("a", PROMPT, max_tokens=12),
-        GenerationRequest("b", other, max_tokens=12),
+        GenerationRequest("a", GenerationParams(PROMPT, 12)),
+        GenerationRequest("b", GenerationParams(other, 12)),
     )
     assert results["a"][0] == reference_greedy(llama_model, PROMPT, 12)
     assert results["b"][0] == reference_greedy(llama_model, other, 12)
@@ -44,7 +45,7 @@ def test_stop_token_ends_with_stop(llama_model: Module) -> None:
     expected = reference_greedy(llama_model, PROMPT, 24)
     stop = expected[5]
     engine = Engine(PlainAdapter(llama_model), EngineConfig())
-    request = GenerationRequest("a", PROMPT, max_tokens=24, stop_token_ids=frozenset({stop}))
+    request = GenerationRequest("a", GenerationParams(PROMPT, 24, stop_token_ids=(stop,)))
     tokens, finish = run(engine, request)["a"]
     assert tokens == expected[: expected.index(stop)]
     assert finish.finish_reason == "stop"
@@ -53,16 +54,18 @@ def test_stop_token_ends_with_stop(llama_model: Module) -> None:
 def test_seed_reproduces_sampling(llama_model: Module) -> None:
     sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
     engine = Engine(PlainAdapter(llama_model), EngineConfig(prefix_cache_entries=0))
-    first = run(engine, GenerationRequest("a", PROMPT, 16, sampling))["a"][0]
-    second = run(engine, GenerationRequest("b", PROMPT, 16, sampling))["b"][0]
-    other = run(engine, GenerationRequest("c", PROMPT, 16, SamplingParams(1.0, 0.9, 8)))["c"][0]
+    first = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 16, sampling)))["a"][0]
+    second = run(engine, GenerationRequest("b", GenerationParams(PROMPT, 16, sampling)))["b"][0]
+    other = run(
+        engine, GenerationRequest("c", GenerationParams(PROMPT, 16, SamplingParams(1.0, 0.9, 8)))
+    )["c"][0]
     assert first == second
     assert first != other
 
 
 def test_cancel_between_steps(llama_model: Module) -> None:
     engine = Engine(PlainAdapter(llama_model), EngineConfig())
-    stream = engine.submit(GenerationRequest("a", PROMPT, max_tokens=1000))
+    stream = engine.submit(GenerationRequest("a", GenerationParams(PROMPT, 1000)))
     for _ in range(5):
         engine.run_once()
     engine.cancel("a")
@@ -78,10 +81,10 @@ def test_cancel_between_steps(llama_model: Module) -> None:
 
 def test_prefix_cache_reuse_gives_identical_output(llama_model: Module) -> None:
     engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=8))
-    cold, cold_finish = run(engine, GenerationRequest("a", PROMPT, 10))["a"]
-    warm, warm_finish = run(engine, GenerationRequest("b", PROMPT, 10))["b"]
+    cold, cold_finish = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 10)))["a"]
+    warm, warm_finish = run(engine, GenerationRequest("b", GenerationParams(PROMPT, 10)))["b"]
     longer = (*PROMPT, 5, 6, 7)
-    extended, ext_finish = run(engine, GenerationRequest("c", longer, 10))["c"]
+    extended, ext_finish = run(engine, GenerationRequest("c", GenerationParams(longer, 10)))["c"]
     assert warm == cold and cold_finish.usage.cached_tokens == 0
     assert warm_finish.usage.cached_tokens == len(PROMPT) - 1
     assert ext_finish.usage.cached_tokens == len(PROMPT) - 1

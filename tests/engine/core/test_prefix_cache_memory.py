@@ -13,9 +13,10 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import RotatingKVCache
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.drive import run_until_finished
-from mlxserve.engine.core.engine import Engine, EngineConfig
 from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter, PlainState
 from mlxserve.engine.spec.mtp import MTPAdapter
 from mlxserve.kernels.buffers import own_buffers
@@ -32,12 +33,14 @@ def test_kept_states_hold_no_more_than_they_count() -> None:
     prompts = [tuple(tokenizer.encode(f"Explain Python's {word}.")) for word in WORDS]
     # A first pass makes what a process keeps after first use (compilations, their
     # self-checks), so the second one's memory is its states alone.
-    run_until_finished(engine, [GenerationRequest(f"w{i}", p, 32) for i, p in enumerate(prompts)])
+    run_until_finished(
+        engine, [GenerationRequest(f"w{i}", GenerationParams(p, 32)) for i, p in enumerate(prompts)]
+    )
     engine.prefix_cache.clear()
     gc.collect()
     idle = mx.get_active_memory()
     done = run_until_finished(
-        engine, [GenerationRequest(f"r{i}", p, 32) for i, p in enumerate(prompts)]
+        engine, [GenerationRequest(f"r{i}", GenerationParams(p, 32)) for i, p in enumerate(prompts)]
     )
     assert all(event.error is None for event in done.values())
     assert len(engine.prefix_cache) >= len(WORDS)  # prompts and finished states

@@ -6,29 +6,31 @@ import time
 
 from mlx.nn.layers.base import Module
 
-from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.core.step import Step
+from mlxserve.engine.core.stepper import Engine, EngineConfig
+from mlxserve.engine.process.loop import EngineLoop
 from mlxserve.engine.runner.adapter import PlainAdapter
 
 
-def test_step_plan_json_round_trip() -> None:
-    plan = StepPlan(index=3, kind="speculate", request_ids=("a", "b"), num_tokens=4)
-    assert StepPlan.from_json(plan.to_json()) == plan
+def test_step_json_round_trip() -> None:
+    step = Step(index=3, kind="speculate", request_ids=("a", "b"), num_tokens=4)
+    assert Step.from_json(step.to_json()) == step
 
 
 def test_decoder_keeps_streaming_while_a_long_prompt_prefills(llama_model: Module) -> None:
-    steps: list[StepPlan] = []
+    steps: list[Step] = []
     engine = Engine(
         PlainAdapter(llama_model),
         EngineConfig(prefill_step=32, max_running=4),
         before_step=steps.append,
     )
-    decoder = engine.submit(GenerationRequest("decoder", (1, 2, 3), max_tokens=200))
+    decoder = engine.submit(GenerationRequest("decoder", GenerationParams((1, 2, 3), 200)))
     for _ in range(3):
         engine.run_once()
     long_prompt = tuple(i % 90 + 1 for i in range(32 * 20 + 1))
-    engine.submit(GenerationRequest("long", long_prompt, max_tokens=1))
+    engine.submit(GenerationRequest("long", GenerationParams(long_prompt, 1)))
     for _ in range(1000):
         if not engine.run_once():
             break
@@ -54,13 +56,15 @@ def test_decoder_inter_token_latency_during_long_prefill(llama_model: Module) ->
     """Measured with a generous bound: the worst gap while a 2k-token prompt prefills
     stays far below the time that whole prefill takes."""
     engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=64, max_running=4))
-    engine.start()
+    crashed: list[int] = []
+    loop = EngineLoop(engine, exit=crashed.append)  # the engine process's loop
+    loop.start()
     try:
-        decoder = engine.submit(GenerationRequest("d", (1, 2, 3), max_tokens=400))
+        decoder = engine.submit(GenerationRequest("d", GenerationParams((1, 2, 3), 400)))
         decoder.get(timeout=30)
         long_prompt = tuple(i % 90 + 1 for i in range(2048))
         started = time.monotonic()
-        prefill = engine.submit(GenerationRequest("p", long_prompt, max_tokens=1))
+        prefill = engine.submit(GenerationRequest("p", GenerationParams(long_prompt, 1)))
         gaps = []
         last = time.monotonic()
         prefill_done = None
@@ -83,13 +87,14 @@ def test_decoder_inter_token_latency_during_long_prefill(llama_model: Module) ->
         assert max(gaps) < prefill_done / 2
     finally:
         engine.cancel("d")
-        engine.stop()
+        assert loop.stop(10)
+    assert not crashed
 
 
 def test_max_running_bounds_admission(llama_model: Module) -> None:
     engine = Engine(PlainAdapter(llama_model), EngineConfig(max_running=2))
     for name in "abc":
-        engine.submit(GenerationRequest(name, (1, 2, 3), max_tokens=50))
+        engine.submit(GenerationRequest(name, GenerationParams((1, 2, 3), 50)))
     engine.run_once()
     assert engine.running == 2 and engine.queue_depth == 1
 
@@ -97,32 +102,34 @@ def test_max_running_bounds_admission(llama_model: Module) -> None:
 def test_speculative_depth_follows_the_batch_size() -> None:
     """Alone: its own depth; two: one `speculate` step for both at the batch depth;
     three: plain batched decoding."""
+    from mlxserve.engine.core.request_state import Phase, RequestState
     from mlxserve.engine.core.scheduler import Scheduler
-    from mlxserve.engine.core.sequence import Phase, Sequence
     from mlxserve.engine.sample.sampling import KeyStream
 
     scheduler = Scheduler(4, 16, max_speculative_batch=2, batch_speculative_depth=2)
 
-    def decoding(rid: str, depth: int) -> Sequence:
-        sequence = Sequence(GenerationRequest(rid, (1, 2), 50), KeyStream(0), depth=depth)
+    def decoding(rid: str, depth: int) -> RequestState:
+        sequence = RequestState(
+            GenerationRequest(rid, GenerationParams((1, 2), 50)), KeyStream(0), depth=depth
+        )
         sequence.phase = Phase.DECODE
         scheduler.running.append(sequence)
         return sequence
 
     decoding("a", 3)
-    plan = scheduler.next_step()
-    assert plan is not None and (plan.kind, plan.request_ids, plan.num_tokens) == (
+    step = scheduler.next_step()
+    assert step is not None and (step.kind, step.request_ids, step.num_tokens) == (
         "speculate",
         ("a",),
         3,
     )
     decoding("b", 1)
-    plan = scheduler.next_step()
-    assert plan is not None and (plan.kind, plan.request_ids, plan.num_tokens) == (
+    step = scheduler.next_step()
+    assert step is not None and (step.kind, step.request_ids, step.num_tokens) == (
         "speculate",
         ("a", "b"),
         1,
     )
     decoding("c", 3)
-    plan = scheduler.next_step()
-    assert plan is not None and (plan.kind, plan.request_ids) == ("decode", ("a", "b", "c"))
+    step = scheduler.next_step()
+    assert step is not None and (step.kind, step.request_ids) == ("decode", ("a", "b", "c"))

@@ -1,4 +1,4 @@
-"""Tensor-parallel serving in lockstep: rank 0 broadcasts each step plan, the others follow.
+"""Tensor-parallel serving in lockstep: rank 0 broadcasts each step, the others follow.
 
 Two real ring ranks on loopback, each holding half of the demo model: the follower
 produces exactly rank 0's tokens (greedy, MTP speculative, seeded and unseeded
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from mlx.nn.layers.base import Module
 
-from mlxserve.engine.core.engine import Engine, EngineConfig, RequestStream
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.channel.request import GenerationParams, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.step import Step
+from mlxserve.engine.core.stepper import Engine, EngineConfig, RequestStream
 from mlxserve.engine.process import lockstep
 from mlxserve.engine.process.lockstep import LockstepLeader, StepMessage, follow
 from mlxserve.engine.process.warmup import warm_up
@@ -30,12 +31,12 @@ REPO = Path(__file__).resolve().parents[3]
 
 def test_step_message_round_trip() -> None:
     request = GenerationRequest(
-        "r", (1, 2, 3), 8, SamplingParams(0.5, 0.9, 7), frozenset({5}), speculative_depth=2
+        "r", GenerationParams((1, 2, 3), 8, SamplingParams(0.5, 0.9, 7), (5,)), speculative_depth=2
     )
-    message = StepMessage([request], ["gone"], StepPlan(4, "decode", ("r", "s"), 1))
+    message = StepMessage([request], ["gone"], Step(4, "decode", ("r", "s"), 1))
     assert StepMessage.from_bytes(message.to_bytes()) == message
     assert StepMessage.from_bytes(StepMessage(stop=True).to_bytes()).stop
-    marked = StepMessage(plan=StepPlan(0, "prefill", ("w",), 3), warm_up=True, warm_up_over=True)
+    marked = StepMessage(step=Step(0, "prefill", ("w",), 3), warm_up=True, warm_up_over=True)
     assert StepMessage.from_bytes(marked.to_bytes()) == marked
 
 
@@ -45,16 +46,16 @@ def test_rank_0_publishes_inside_the_watched_step(llama_model: Module) -> None:
 
     class Recorder:
         def admitted(self, request: GenerationRequest) -> None:
-            assert request.sampling.seed is not None  # the seed travels with the request
+            assert request.params.sampling.seed is not None  # the seed travels with the request
 
         def cancelled(self, request_id: str) -> None:
             pass
 
-        def publish(self, plan: StepPlan, warm_up: bool = False) -> None:
-            seen.append(engine.current_step == plan and not warm_up)
+        def publish(self, step: Step, warm_up: bool = False) -> None:
+            seen.append(engine.current_step == step and not warm_up)
 
     engine = Engine(PlainAdapter(llama_model), EngineConfig(), lockstep=Recorder())  # type: ignore[arg-type]
-    run_engine(engine, GenerationRequest("a", (1, 2, 3), 4, SamplingParams(1.0)))
+    run_engine(engine, GenerationRequest("a", GenerationParams((1, 2, 3), 4, SamplingParams(1.0))))
     assert seen and all(seen)
 
 
@@ -71,7 +72,7 @@ def test_followers_run_rank_0s_warm_up_and_forget_it(monkeypatch: pytest.MonkeyP
     over; a follower given those messages runs the same steps (the depth calibration
     in the same one), under the warm-up's allowance, and forgets the warm-up before
     the next request, as rank 0 did: the request's prompt is the warm-up's, so a
-    prefix-cache entry left on the follower would change its plan (``Diverged``).
+    prefix-cache entry left on the follower would change its steps (``Diverged``).
 
     In one process, the broadcast replaced by a recording: the collectives are
     ``test_two_ranks_serve_in_lockstep``'s and the live group's (tests/server)."""
@@ -92,11 +93,13 @@ def test_followers_run_rank_0s_warm_up_and_forget_it(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(lockstep, "broadcast_bytes", lambda _, data: sent.append(data) or data)
     leader = Engine(adapter(), config, lockstep=LockstepLeader(_Rank(0)))
     uncalibrated: list[int] = []  # the steps that began before a calibration
-    leader.before_step = lambda plan: None if leader.chooser else uncalibrated.append(plan.index)
+    leader.before_step = lambda step: (
+        None if leader.depth_picker else uncalibrated.append(step.index)
+    )
     prompt = tuple(range(3, 20))
     warm_up(leader, prompt)
     warm_up_steps = len(sent)
-    tokens, finish = run_engine(leader, GenerationRequest("a", prompt, 12))["a"]
+    tokens, finish = run_engine(leader, GenerationRequest("a", GenerationParams(prompt, 12)))["a"]
     assert finish.usage.cached_tokens == 0  # the warm-up's prefix entries are gone
     messages = [StepMessage.from_bytes(data) for data in sent]
     assert all(m.warm_up and not m.warm_up_over for m in messages[:warm_up_steps])
@@ -109,10 +112,10 @@ def test_followers_run_rank_0s_warm_up_and_forget_it(monkeypatch: pytest.MonkeyP
     marks: list[bool] = []
     follower_uncalibrated: list[int] = []
 
-    def watch(plan: StepPlan) -> None:
+    def watch(step: Step) -> None:
         marks.append(follower.warming_up)
-        if follower.chooser is None:
-            follower_uncalibrated.append(plan.index)
+        if follower.depth_picker is None:
+            follower_uncalibrated.append(step.index)
 
     follower.before_step = watch
     streams: dict[str, RequestStream] = {}
@@ -126,9 +129,9 @@ def test_followers_run_rank_0s_warm_up_and_forget_it(monkeypatch: pytest.MonkeyP
     assert follow(follower, _Rank(1)) == len(messages)
     assert marks == [m.warm_up for m in messages]
     # Both calibrated, in the same step, a warm-up one.
-    assert leader.chooser is not None and follower.chooser is not None
+    assert leader.depth_picker is not None and follower.depth_picker is not None
     assert follower_uncalibrated == uncalibrated
-    last_warm_up = messages[warm_up_steps - 1].plan
+    last_warm_up = messages[warm_up_steps - 1].step
     assert last_warm_up is not None and uncalibrated[-1] < last_warm_up.index
     assert collect(streams["a"])[0] == tokens
     assert follower.prefix_cache is not None and leader.prefix_cache is not None

@@ -52,15 +52,16 @@ def front(engine: EngineProcess) -> Iterator[EngineProcess]:
 
 
 def in_process_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    from mlxserve.channel.request import GenerationParams
     from mlxserve.config import load_settings
     from mlxserve.engine.core.build import build_engine
     from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
-    from mlxserve.policy.build import build_plan
+    from mlxserve.startup.plan import build_plan
 
     settings = load_settings(None, {"model": str(model_dir)})
     plan, membership = build_plan(settings)
     engine, _ = build_engine(settings, plan, membership.rank)
-    stream = engine.submit(GenerationRequest("ref", tuple(prompt), max_tokens))
+    stream = engine.submit(GenerationRequest("ref", GenerationParams(tuple(prompt), max_tokens)))
     tokens: list[int] = []
     for _ in range(10_000):
         if not engine.run_once():
@@ -180,15 +181,25 @@ def test_cancel_mid_generation(front: EngineProcess) -> None:
         (b'{"id": "n1b", "prompt_ids": [1], "max_tokens": 2}', "n1b", "missing 'type'"),
         (b"{}", None, "missing 'type'"),
         (b'{"type": 7}', None, "unknown message type 7"),
-        (b'{"type": "generate", "id": "n2", "prompt_ids": []}', "n2", "prompt_ids"),
-        (b'{"type": "generate", "id": "n3", "prompt_ids": [1], "max_tokens": 0}', "n3", "max"),
         (
-            b'{"type": "generate", "id": "n4", "prompt_ids": [1], "max_tokens": 4, "top_p": 0}',
+            b'{"type": "generate", "id": "n2", "params": {"prompt_ids": [], "max_tokens": 2}}',
+            "n2",
+            "at least one token",
+        ),
+        (
+            b'{"type": "generate", "id": "n3", "params": {"prompt_ids": [1], "max_tokens": 0}}',
+            "n3",
+            "max_tokens",
+        ),
+        (
+            b'{"type": "generate", "id": "n4", '
+            b'"params": {"prompt_ids": [1], "max_tokens": 4, "sampling": {"top_p": 0}}}',
             "n4",
             "top_p",
         ),
         (
-            b'{"type": "generate", "id": "n5", "prompt_ids": [1, 100000], "max_tokens": 4}',
+            b'{"type": "generate", "id": "n5", '
+            b'"params": {"prompt_ids": [1, 100000], "max_tokens": 4}}',
             "n5",
             "outside the vocabulary",
         ),
@@ -378,7 +389,7 @@ def test_engine_loop_crash_exits_70() -> None:
         def run_once(self, block: bool = False) -> bool:
             raise RuntimeError("scheduler bug")
 
-        def stop(self, timeout: float = 0) -> None:
+        def wake(self) -> None:
             pass
 
     exited = threading.Event()

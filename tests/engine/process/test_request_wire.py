@@ -1,11 +1,13 @@
-"""A request's sampling fields and grammar survive the engine channel's wire form
-(front -> engine process, rank 0 -> followers)."""
+"""A request's record survives the engine channel's wire form (front -> engine process,
+rank 0 -> followers), and the wire refuses what the record would."""
 
-from mlxserve.channel.messages import Generate, decode_front, encode, sampling_wire
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
-from mlxserve.engine.process.lockstep import as_generate
+import pytest
+from pydantic import ValidationError
+
+from mlxserve.channel.messages import Generate, decode_front, encode
+from mlxserve.channel.request import GenerationParams, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest
 from mlxserve.engine.process.socket_end import to_request
-from mlxserve.server.backends.base import GenerationParams
 
 
 def test_every_field_round_trips() -> None:
@@ -21,35 +23,25 @@ def test_every_field_round_trips() -> None:
         logit_bias=((7, -100.0), (9, 2.5)),
         logprobs=4,
     )
-    request = GenerationRequest(
-        "r", (1, 2, 3), 8, sampling, frozenset({5}), None, grammar='{"x": 1}', grammar_prefix=(4,)
-    )
-    message = decode_front(encode(as_generate(request)))
+    params = GenerationParams((1, 2, 3), 8, sampling, (5,), '{"x": 1}', grammar_prefix=(4,))
+    request = GenerationRequest("r", params, speculative_depth=2)
+    message = decode_front(encode(request.as_generate()))
     assert isinstance(message, Generate)
     assert to_request(message, vocab_size=16) == request
-    assert request.needs_chooser and not GenerationRequest("p", (1,), 2).needs_chooser
+    assert request.needs_chooser
+    assert not GenerationRequest("p", GenerationParams((1,), 2)).needs_chooser
 
 
-def test_the_front_and_rank_0_send_the_same_sampling_fields() -> None:
-    """A backend's params and an engine request map to `Generate` the same way."""
-    values = {
-        "temperature": 0.7,
-        "top_p": 0.9,
-        "seed": 3,
-        "top_k": 5,
-        "min_p": 0.1,
-        "presence_penalty": 0.5,
-        "frequency_penalty": -0.5,
-        "repetition_penalty": 1.2,
-        "logit_bias": [(7, -100.0)],
-        "logprobs": 4,
-    }
-    engine_side = sampling_wire(
-        SamplingParams(0.7, 0.9, 3, 5, 0.1, 0.5, -0.5, 1.2, ((7, -100.0),), 4)
-    )
-    front_side = sampling_wire(
-        GenerationParams((1,), 2, 0.7, 0.9, 3, (), 5, 0.1, 0.5, -0.5, 1.2, ((7, -100.0),), 4)
-    )
-    assert engine_side == front_side == values
-    message = Generate(id="r", prompt_ids=[1], max_tokens=2, speculative_depth=None, **front_side)
-    assert message.model_dump(include=set(values)) == values
+@pytest.mark.parametrize(
+    ("sampling", "says"),
+    [
+        ('{"top_p": 0}', "top_p must be in (0, 1]"),
+        ('{"logprobs": 21}', "logprobs must be in [0, 20]"),
+        ('{"top_q": 1}', "Unexpected keyword argument"),
+    ],
+)
+def test_the_wire_refuses_what_the_record_would(sampling: str, says: str) -> None:
+    line = '{"type": "generate", "id": "r", "params": {"prompt_ids": [1], "max_tokens": 2, '
+    with pytest.raises(ValidationError, match=r"params\.sampling") as refused:
+        decode_front(f'{line}"sampling": {sampling}}}}}'.encode())
+    assert says in str(refused.value)

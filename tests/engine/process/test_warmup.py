@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.build import adapter_for, materialize
-from mlxserve.engine.core.engine import Engine, EngineConfig
 from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.process.warmup import wanted, warm_up
 from tests.engine.conftest_process import EngineProcess, build_tiny_model
 from tests.engine.drive import run
@@ -39,19 +40,19 @@ def test_warm_up_leaves_calibration_and_no_other_trace() -> None:
     # A lone request prefilled, decoded and speculated (the calibration ran), and a
     # pair decoded in a batch.
     assert {"prefill", "decode", "speculate"} <= set(steps)
-    assert warmed.chooser is not None
+    assert warmed.depth_picker is not None
     # Calibrated, but the warm-up's acceptance and round times are not the prior.
-    assert warmed.chooser.history.steps_at_depth == {} and not warmed.chooser.observed
-    assert warmed.chooser.seen  # its first rounds (the compiling ones) stay dropped
+    assert warmed.depth_picker.history.steps_at_depth == {} and not warmed.depth_picker.observed
+    assert warmed.depth_picker.seen  # its first rounds (the compiling ones) stay dropped
     assert warmed.prefix_cache is not None and len(warmed.prefix_cache) == 0
     assert warmed.step_times.expected_s(None) == 0.0
     assert not warmed.runner.batches and warmed.scheduler.idle
 
     warmed.before_step = None
-    after, finish = run(warmed, GenerationRequest("a", prompt, 24))["a"]
+    after, finish = run(warmed, GenerationRequest("a", GenerationParams(prompt, 24)))["a"]
     assert finish.memory is not None  # the serving peak is serving's: no warm-up in it
     assert finish.memory["peak_bytes"] == finish.memory["busy_peak_bytes"]
-    fresh, _ = run(engine(), GenerationRequest("a", prompt, 24))["a"]
+    fresh, _ = run(engine(), GenerationRequest("a", GenerationParams(prompt, 24)))["a"]
     assert after == fresh  # greedy: the same tokens, warmed up or not
     assert finish.usage.cached_tokens == 0
 

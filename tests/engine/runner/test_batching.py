@@ -15,9 +15,10 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.models.cache import QuantizedKVCache
 
-from mlxserve.engine.core.engine import Engine, EngineConfig
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.channel.request import GenerationParams, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.step import Step
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter, PlainState
 from mlxserve.engine.runner.batch import CacheBatch, new_batch
 from mlxserve.engine.runner.ring_cache import RingKVCache
@@ -33,15 +34,15 @@ PROMPTS = {
 
 
 class BatchSizes:
-    """A ``before_step`` hook recording, per step, the plan and the batches' sizes."""
+    """A ``before_step`` hook recording each step and the batches' sizes before it."""
 
     def __init__(self) -> None:
         self.engine: Engine | None = None
-        self.steps: list[tuple[StepPlan, list[int]]] = []
+        self.steps: list[tuple[Step, list[int]]] = []
 
-    def __call__(self, plan: StepPlan) -> None:
+    def __call__(self, step: Step) -> None:
         assert self.engine is not None
-        self.steps.append((plan, [len(b.rows) for b in self.engine.runner.batches]))
+        self.steps.append((step, [len(b.rows) for b in self.engine.runner.batches]))
 
     @property
     def sizes(self) -> list[int]:
@@ -58,11 +59,13 @@ def test_concurrent_greedy_requests_share_decode_steps(llama_model: Module) -> N
     hook = BatchSizes()
     engine = engine_with(llama_model, hook, prefill_step=16, max_running=4)
     prompts = {rid: PROMPTS[rid] for rid in ("a", "b", "d")} | {"e": tuple(range(20, 60))}
-    requests = [GenerationRequest(rid, prompt, max_tokens=20) for rid, prompt in prompts.items()]
+    requests = [
+        GenerationRequest(rid, GenerationParams(prompt, 20)) for rid, prompt in prompts.items()
+    ]
     results = run(engine, *requests)
     for rid, prompt in prompts.items():
         assert results[rid][0] == reference_greedy(llama_model, prompt, 20), rid
-    assert max(len(plan.request_ids) for plan, _ in hook.steps if plan.kind == "decode") == 4
+    assert max(len(step.request_ids) for step, _ in hook.steps if step.kind == "decode") == 4
     assert max(hook.sizes) == 4
     assert not engine.runner.batches  # everyone left
 
@@ -103,12 +106,12 @@ def test_the_batch_lives_across_steps(llama_model: Module, monkeypatch: pytest.M
     counted = Counted(monkeypatch)
     hook = BatchSizes()
     engine = engine_with(llama_model, hook, prefill_step=16, max_running=4)
-    short = engine.submit(GenerationRequest("short", PROMPTS["c"], max_tokens=12))
-    long = engine.submit(GenerationRequest("long", PROMPTS["a"], max_tokens=40))
+    short = engine.submit(GenerationRequest("short", GenerationParams(PROMPTS["c"], 12)))
+    long = engine.submit(GenerationRequest("long", GenerationParams(PROMPTS["a"], 40)))
     for _ in range(8):
         engine.run_once()
-    late = GenerationRequest("late", tuple(range(30, 62)), max_tokens=10)
-    cancelled = GenerationRequest("gone", tuple(range(40, 75)), max_tokens=30)
+    late = GenerationRequest("late", GenerationParams(tuple(range(30, 62)), 10))
+    cancelled = GenerationRequest("gone", GenerationParams(tuple(range(40, 75)), 30))
     late_stream = engine.submit(late)
     gone_stream = engine.submit(cancelled)
     for _ in range(200):
@@ -124,10 +127,12 @@ def test_the_batch_lives_across_steps(llama_model: Module, monkeypatch: pytest.M
     collected = {s.request_id: collect(s) for s in (short, long, late_stream, gone_stream)}
     assert collected["short"][0] == reference_greedy(llama_model, PROMPTS["c"], 12)
     assert collected["long"][0] == reference_greedy(llama_model, PROMPTS["a"], 40)
-    assert collected["late"][0] == reference_greedy(llama_model, late.prompt_ids, 10)
+    assert collected["late"][0] == reference_greedy(llama_model, late.params.prompt_ids, 10)
     gone_tokens, gone_finish = collected["gone"]
     assert gone_finish.finish_reason == "cancelled" and len(gone_tokens) >= 4
-    assert gone_tokens == reference_greedy(llama_model, cancelled.prompt_ids, len(gone_tokens))
+    assert gone_tokens == reference_greedy(
+        llama_model, cancelled.params.prompt_ids, len(gone_tokens)
+    )
 
     batched_steps = sum(1 for _, sizes in hook.steps if sizes)
     # The ring is made for "short"; it widens when "long" joins (more positions) and
@@ -141,15 +146,15 @@ def test_the_batch_lives_across_steps(llama_model: Module, monkeypatch: pytest.M
 def test_newcomers_prefill_in_chunks_between_decode_steps(llama_model: Module) -> None:
     hook = BatchSizes()
     engine = engine_with(llama_model, hook, prefill_step=8, max_running=4)
-    first = engine.submit(GenerationRequest("first", PROMPTS["b"], max_tokens=30))
+    first = engine.submit(GenerationRequest("first", GenerationParams(PROMPTS["b"], 30)))
     for _ in range(6):
         engine.run_once()
-    newcomer = GenerationRequest("new", PROMPTS["d"], max_tokens=4)
+    newcomer = GenerationRequest("new", GenerationParams(PROMPTS["d"], 4))
     second = engine.submit(newcomer)
     for _ in range(500):
         if not engine.run_once():
             break
-    kinds = [(plan.kind, plan.request_ids) for plan, _ in hook.steps]
+    kinds = [(step.kind, step.request_ids) for step, _ in hook.steps]
     chunks = [i for i, (kind, ids) in enumerate(kinds) if kind == "prefill" and ids == ("new",)]
     assert len(chunks) == (len(PROMPTS["d"]) - 1 + 7) // 8  # 74 tokens, 8 per step
     for a, b in itertools.pairwise(chunks):
@@ -162,13 +167,13 @@ def test_sampled_requests_are_reproducible_in_a_batch(llama_model: Module) -> No
     sampling = SamplingParams(temperature=1.0, top_p=0.9, seed=11)
     alone = run(
         Engine(PlainAdapter(llama_model), EngineConfig(max_running=1)),
-        GenerationRequest("s", PROMPTS["a"], 16, sampling),
+        GenerationRequest("s", GenerationParams(PROMPTS["a"], 16, sampling)),
     )["s"][0]
     crowd = run(
         Engine(PlainAdapter(llama_model), EngineConfig(max_running=4)),
-        GenerationRequest("s", PROMPTS["a"], 16, sampling),
-        GenerationRequest("x", PROMPTS["b"], 16, SamplingParams(1.0, 0.9, 3)),
-        GenerationRequest("y", PROMPTS["c"], 16),
+        GenerationRequest("s", GenerationParams(PROMPTS["a"], 16, sampling)),
+        GenerationRequest("x", GenerationParams(PROMPTS["b"], 16, SamplingParams(1.0, 0.9, 3))),
+        GenerationRequest("y", GenerationParams(PROMPTS["c"], 16)),
     )["s"][0]
     assert crowd == alone
 

@@ -12,9 +12,10 @@ from typing import Any, Literal
 import pytest
 from mlx.nn.layers.base import Module
 
-from mlxserve.engine.core.engine import Engine, EngineConfig
-from mlxserve.engine.core.request import FinishEvent, GenerationRequest, SamplingParams
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.channel.request import GenerationParams, SamplingParams
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest
+from mlxserve.engine.core.step import Step
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import ModelAdapter, PlainAdapter
 from mlxserve.engine.runner.batch import MTPRowBatch, RowBatch
 from mlxserve.engine.spec.mtp import MTPAdapter
@@ -53,22 +54,26 @@ def staggered(
 
     ``stacked`` collects, per step, whether a batch's rows were stacked before it;
     ``finishes`` the requests' finish events, when given."""
-    sizes: list[tuple[StepPlan, list[int]]] = []
+    sizes: list[tuple[Step, list[int]]] = []
     engine: Engine
 
-    def hook(plan: StepPlan) -> None:
-        sizes.append((plan, [len(b.rows) for b in engine.runner.batches]))
+    def hook(step: Step) -> None:
+        sizes.append((step, [len(b.rows) for b in engine.runner.batches]))
         if stacked is not None:
             stacked.append(any(getattr(b.state, "stacked", False) for b in engine.runner.batches))
 
     settings = EngineConfig(prefill_step=8, max_running=4, speculative_depth=depth, **config)
     engine = Engine(adapter, settings, before_step=hook)
     streams = [
-        engine.submit(GenerationRequest(r, PROMPTS[r], BUDGET[r])) for r in ("long", "short")
+        engine.submit(GenerationRequest(r, GenerationParams(PROMPTS[r], BUDGET[r])))
+        for r in ("long", "short")
     ]
     for _ in range(12):
         engine.run_once()
-    streams += [engine.submit(GenerationRequest(r, PROMPTS[r], BUDGET[r])) for r in ("mid", "odd")]
+    streams += [
+        engine.submit(GenerationRequest(r, GenerationParams(PROMPTS[r], BUDGET[r])))
+        for r in ("mid", "odd")
+    ]
     for _ in range(1000):
         if not engine.run_once():
             break
@@ -103,12 +108,12 @@ def test_mtp_rows_decode_together_and_speculate_alone(
     assert max(n for _, batch in sizes for n in batch) >= 3
     assert any(stacked)
     # Alone at the end ("long" outlives the others), it drafts again.
-    assert any(plan.kind == "speculate" for plan, _ in sizes[len(sizes) // 2 :])
+    assert any(step.kind == "speculate" for step, _ in sizes[len(sizes) // 2 :])
     # Every decode step after the first token (taken plainly before any drafting) is
     # a plain step in the batch: depths_chosen (and the depth metric) count it at 0.
     for rid, finish in finishes.items():
         assert finish.speculative is not None
-        decodes = sum(rid in plan.request_ids for plan, _ in sizes if plan.kind == "decode")
+        decodes = sum(rid in step.request_ids for step, _ in sizes if step.kind == "decode")
         chosen = finish.speculative["depths_chosen"]
         assert isinstance(chosen, dict) and chosen.get("0") == decodes - 1, (rid, chosen)
         if rid != "long":  # the others never leave the batch
@@ -129,7 +134,7 @@ def test_rows_speculate_together(v4: Module, alone: dict[str, list[int]], batch_
 def test_automatic_depth_alone_and_batched_speculation(
     v4: Module, alone: dict[str, list[int]]
 ) -> None:
-    """With `depth = "auto"` a lone request drafts at the chooser's depth per round,
+    """With `depth = "auto"` a lone request drafts at the depth picker's depth per round,
     two rows draft together at the batch depth, more decode plainly; all exact."""
     tokens, sizes = staggered(
         MTPAdapter(v4), depth="auto", max_speculative_batch=2, batch_speculative_depth=2
@@ -145,7 +150,7 @@ def test_automatic_depth_alone_and_batched_speculation(
 def test_batch_forms(v4: Module) -> None:
     plain = run(
         Engine(PlainAdapter(v4), EngineConfig(max_running=2)),
-        GenerationRequest("x", PROMPTS["mid"], 3),
+        GenerationRequest("x", GenerationParams(PROMPTS["mid"], 3)),
     )
     assert plain["x"][1].finish_reason == "length"
     from mlxserve.engine.runner.batch import new_batch
@@ -167,16 +172,16 @@ def test_greedy_rows_speculating_beside_sampled_ones_are_exact(
     config = EngineConfig(
         max_running=2, speculative_depth=3, max_speculative_batch=2, batch_speculative_depth=2
     )
-    plans: list[StepPlan] = []
-    engine = Engine(MTPAdapter(v4), config, before_step=plans.append)
+    steps: list[Step] = []
+    engine = Engine(MTPAdapter(v4), config, before_step=steps.append)
     sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=5)
     results = run(
         engine,
-        GenerationRequest("long", PROMPTS["long"], BUDGET["long"]),
-        GenerationRequest("s", PROMPTS["mid"], 20, sampled),
+        GenerationRequest("long", GenerationParams(PROMPTS["long"], BUDGET["long"])),
+        GenerationRequest("s", GenerationParams(PROMPTS["mid"], 20, sampled)),
     )
     assert results["long"][0] == alone["long"]
     tokens, finish = results["s"]
     assert finish.finish_reason == "length" and len(tokens) == 20
     assert all(0 <= t < 61 for t in tokens)
-    assert any(p.kind == "speculate" and len(p.request_ids) == 2 for p in plans)
+    assert any(p.kind == "speculate" and len(p.request_ids) == 2 for p in steps)

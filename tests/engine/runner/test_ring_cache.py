@@ -8,20 +8,23 @@ serving eight requests must stay near its weights plus their caches.
 import gc
 
 import mlx.core as mx
-import pytest
 from mlx.nn.layers.base import Module
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from mlxserve.engine.core.engine import Engine, EngineConfig
+from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.request import GenerationRequest
-from mlxserve.engine.runner import ring_cache
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter
 from mlxserve.engine.runner.ring_cache import RingBatch
+from mlxserve.hardware.tuning import default_tuning
 from tests.engine.core.test_engine_plain import reference_greedy
 from tests.engine.drive import collect
 
 HEADS, DIM, LAYERS = 2, 16, 2
+#: A reserve the tests' short rows outgrow, so growing is tested too.
+RESERVE = 64
+TUNING = default_tuning().replace(batch_reserve_positions=RESERVE)
 
 
 def _state(length: int, seed: int) -> list[KVCache]:
@@ -66,7 +69,7 @@ def _append(state: list[KVCache], added: list[tuple[mx.array, mx.array]], row: i
 
 def test_rows_keep_their_positions_through_joins_leaves_and_the_ring_wrapping() -> None:
     states = [_state(5, 1), _state(9, 2)]
-    ring = RingBatch(_clones(states), [6, 6])
+    ring = RingBatch(_clones(states), [6, 6], max_reserve=RESERVE)
     columns = ring.layers[0].columns
     for step in range(columns + 7):  # past one turn of the ring: positions wrap around
         if step == 3:
@@ -100,7 +103,8 @@ def _clones(states: list[list[KVCache]]) -> list[list[KVCache]]:
 
 
 def test_joining_and_leaving_do_not_copy_the_batch() -> None:
-    ring = RingBatch(_clones([_state(20, i) for i in range(7)]), [100] * 7, expected=8)
+    states = _clones([_state(20, i) for i in range(7)])
+    ring = RingBatch(states, [100] * 7, expected=8, max_reserve=RESERVE)
     assert ring.layers[0].capacity == 8
     row_bytes = ring.nbytes // 8
     for _ in range(3):
@@ -128,12 +132,14 @@ def test_an_engine_serving_eight_requests_stays_near_weights_plus_caches(
     # MLX memory is the process's: what earlier tests left alive is not this engine's.
     weights = sum(int(a.nbytes) for _, a in tree_flatten(llama_model.parameters()))
     others = mx.get_active_memory() - weights
-    config = EngineConfig(max_running=8, prefill_step=16, prefix_cache_entries=0)
+    config = EngineConfig(max_running=8, prefill_step=16, prefix_cache_entries=0, tuning=TUNING)
     engine = Engine(PlainAdapter(llama_model), config)
     prompt = tuple(range(3, 40))
-    alone = run_all(engine, [GenerationRequest("alone", prompt, max_tokens=48)])
+    alone = run_all(engine, [GenerationRequest("alone", GenerationParams(prompt, 48))])
     cache = alone["alone"].memory["cache_bytes"]  # type: ignore[index]
-    requests = [GenerationRequest(f"r{i}", prompt[i:], max_tokens=48 - 3 * i) for i in range(8)]
+    requests = [
+        GenerationRequest(f"r{i}", GenerationParams(prompt[i:], 48 - 3 * i)) for i in range(8)
+    ]
     finished = run_all(engine, requests)
     memory = finished["r0"].memory
     assert memory is not None
@@ -141,10 +147,13 @@ def test_an_engine_serving_eight_requests_stays_near_weights_plus_caches(
     assert peak <= 1.2 * (weights + 8 * cache), (memory, others, weights, cache)
     for request in requests:
         tokens = finished[request.request_id].tokens
-        assert tokens == reference_greedy(llama_model, request.prompt_ids, request.max_tokens)
+        assert tokens == reference_greedy(
+            llama_model, request.params.prompt_ids, request.params.max_tokens
+        )
     # The engine was idle in between: a small run's busy peak is its own; peak_bytes
     # keeps the largest since start.
-    small = run_all(engine, [GenerationRequest("small", (5, 6), max_tokens=2)])["small"].memory
+    small_request = GenerationRequest("small", GenerationParams((5, 6), 2))
+    small = run_all(engine, [small_request])["small"].memory
     assert small is not None
     assert small["busy_peak_bytes"] < memory["busy_peak_bytes"] <= small["peak_bytes"]
     # Finished rows left copies in the prefix cache? None here; and nothing of the
@@ -159,9 +168,9 @@ def test_rows_kept_for_reuse_do_not_keep_the_batch_alive(llama_model: Module) ->
     gc.collect()
     mx.synchronize()
     before = mx.get_active_memory()  # the weights, and whatever earlier tests left
-    engine = Engine(PlainAdapter(llama_model), EngineConfig(max_running=8))
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(max_running=8, tuning=TUNING))
     requests = [
-        GenerationRequest(f"r{i}", tuple(range(3 + i, 30)), max_tokens=40) for i in range(6)
+        GenerationRequest(f"r{i}", GenerationParams(tuple(range(3 + i, 30)), 40)) for i in range(6)
     ]
     finished = run_all(engine, requests)
     assert engine.prefix_cache is not None and len(engine.prefix_cache) >= 6
@@ -191,9 +200,3 @@ def run_all(engine: Engine, requests: list[GenerationRequest]) -> dict[str, _Don
         tokens, finish = collect(stream)
         out[stream.request_id] = _Done(tokens, finish.memory)
     return out
-
-
-@pytest.fixture(autouse=True)
-def _small_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A reserve the tests' short rows outgrow, so growing is tested too."""
-    monkeypatch.setattr(ring_cache, "MAX_RESERVE", 64)

@@ -14,15 +14,10 @@ from typing import Any
 import pytest
 from llguidance import LLMatcher
 
+from mlxserve.channel.request import GenerationParams, SamplingParams, TokenLogprob
 from mlxserve.engine.core.build import materialize
-from mlxserve.engine.core.engine import Engine, EngineConfig
-from mlxserve.engine.core.request import (
-    FinishEvent,
-    GenerationRequest,
-    SamplingParams,
-    TokenLogprob,
-    TokensEvent,
-)
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter
 from mlxserve.engine.runner.batch import CacheBatch, MTPRowBatch, RowBatch
 from mlxserve.engine.sample.grammar import Grammars
@@ -55,18 +50,25 @@ def requests(tokenizer: Any) -> tuple[list[GenerationRequest], list[GenerationRe
     """Two that start together, two that join later; different prompt and answer lengths."""
     options: Any = {"whitespace_flexible": False}
     grammar = LLMatcher.grammar_from_json_schema(SCHEMA, defaults=options)
-    stops = frozenset(tokenizer.eos_token_ids)
+    stops = tuple(tokenizer.eos_token_ids)
 
     def ask(text: str) -> tuple[int, ...]:
         return tuple(tokenizer.encode(f"<|user|>{text}<|end|><|assistant|>"))
 
     first = [
-        GenerationRequest("plain-long", ask("Python reference: the for statement"), 30),
-        GenerationRequest("json", ask("JSON please"), 40, SamplingParams(), stops, grammar=grammar),
+        GenerationRequest(
+            "plain-long", GenerationParams(ask("Python reference: the for statement"), 30)
+        ),
+        GenerationRequest(
+            "json",
+            GenerationParams(ask("JSON please"), 40, SamplingParams(), stops, grammar=grammar),
+        ),
     ]
     later = [
-        GenerationRequest("penalised", ask("The assert statement"), 18, PENALISED),
-        GenerationRequest("plain-short", ask("with"), 6),
+        GenerationRequest(
+            "penalised", GenerationParams(ask("The assert statement"), 18, PENALISED)
+        ),
+        GenerationRequest("plain-short", GenerationParams(ask("with"), 6)),
     ]
     return first, later
 

@@ -15,7 +15,7 @@ from mlxserve.engine.spec.depth import (
     RECHECK_EVERY,
     STALE_AFTER,
     UNSEEN_DISCOUNT,
-    DepthChooser,
+    DepthPicker,
     choose_depth,
     conditional_acceptance,
     expected_tokens,
@@ -73,46 +73,46 @@ def test_conditional_acceptance_moves_from_the_prior_to_the_counts() -> None:
     assert third == pytest.approx(0.6)  # never drafted: the prior
 
 
-def test_chooser_follows_observed_costs_and_probes() -> None:
-    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
+def test_picker_follows_observed_costs_and_probes() -> None:
+    picker = DepthPicker(max_depth=5, calibrated=CHEAP_VERIFY)
     good = SpeculativeStats()
     for _ in range(50):
         good.record(3, 3)
-    assert chooser.choose(good, plain_streak=0) >= 3
+    assert picker.choose(good, plain_streak=0) >= 3
     bad = SpeculativeStats()
     for _ in range(200):
         bad.record(1, 0)
-    assert chooser.choose(bad, plain_streak=0) == 0
-    assert chooser.choose(bad, plain_streak=PROBE_EVERY) == 1
+    assert picker.choose(bad, plain_streak=0) == 0
+    assert picker.choose(bad, plain_streak=PROBE_EVERY) == 1
     # Rounds observed to be far dearer than plain steps: plain decoding wins. The
     # first time at each depth is dropped (it includes compiling kernels), and an
     # observed time counts from MIN_OBSERVED on.
     for _ in range(1 + MIN_OBSERVED):
-        chooser.observe(0, 1.0)
+        picker.observe(0, 1.0)
         for depth in range(1, 6):
-            chooser.observe(depth, 50.0)
-    assert chooser.choose(good, plain_streak=0) == 0
+            picker.observe(depth, 50.0)
+    assert picker.choose(good, plain_streak=0) == 0
 
 
 def test_every_few_rounds_an_unexplored_depth_is_tried() -> None:
-    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
+    picker = DepthPicker(max_depth=5, calibrated=CLOSE)
     stats = SpeculativeStats()
     for kept in (1, 1, 0, 1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 2]:
         stats.record(1, kept)
-    assert chooser.choose(stats, plain_streak=0) == 1
+    assert picker.choose(stats, plain_streak=0) == 1
     stats.record(1, 1)  # the EXPLORE_EVERY-th round comes next
-    assert chooser.choose(stats, plain_streak=0) == 2
+    assert picker.choose(stats, plain_streak=0) == 2
 
 
 def test_observed_round_times_are_a_median_that_ignores_an_outlier() -> None:
-    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
-    chooser.observe(2, 99.0)  # first: dropped
-    chooser.observe(2, 1.0)
-    chooser.observe(2, 1000.0)
-    assert 2 not in chooser.observed  # too few to replace the calibration
-    chooser.observe(2, 1.2)
-    assert chooser.observed[2] == pytest.approx(1.2)
-    assert chooser.costs().round(2) == pytest.approx(1.2)
+    picker = DepthPicker(max_depth=5, calibrated=CHEAP_VERIFY)
+    picker.observe(2, 99.0)  # first: dropped
+    picker.observe(2, 1.0)
+    picker.observe(2, 1000.0)
+    assert 2 not in picker.observed  # too few to replace the calibration
+    picker.observe(2, 1.2)
+    assert picker.observed[2] == pytest.approx(1.2)
+    assert picker.costs().round(2) == pytest.approx(1.2)
 
 
 def test_a_depth_left_behind_loses_its_stale_window() -> None:
@@ -120,28 +120,28 @@ def test_a_depth_left_behind_loses_its_stale_window() -> None:
     the plain steps' window expires after STALE_AFTER observations and plain decoding
     is priced by the calibration, scaled like the fresh rounds (on an H100 the stale
     window priced it at twice its cost and kept a request drafting at a loss)."""
-    chooser = DepthChooser(max_depth=1, calibrated=RoundCosts(plain=1.0, rounds={1: 1.7}))
+    picker = DepthPicker(max_depth=1, calibrated=RoundCosts(plain=1.0, rounds={1: 1.7}))
     stats = SpeculativeStats()
     for i in range(100):
         stats.record(1, 1 if i % 5 < 3 else 0)  # E(1) about 1.6: 0.94 of plain at 1.7 steps
     for _ in range(1 + MIN_OBSERVED):
-        chooser.observe(0, 2.5)
-        chooser.observe(1, 1.7)
-    assert chooser.choose(stats, plain_streak=0) == 1  # plain looks 2.5 steps dear
+        picker.observe(0, 2.5)
+        picker.observe(1, 1.7)
+    assert picker.choose(stats, plain_streak=0) == 1  # plain looks 2.5 steps dear
     for _ in range(STALE_AFTER - 2):  # with the round after it: STALE_AFTER - 1 since
-        chooser.observe(1, 1.7)
-    assert chooser.observed[0] == pytest.approx(2.5)  # not stale yet
-    chooser.observe(1, 1.7)
-    assert 0 not in chooser.observed and 0 not in chooser.samples
-    assert chooser.observed[1] == pytest.approx(1.7)  # the depth in use keeps its window
-    assert chooser.costs().round(0) == pytest.approx(1.0)
-    assert chooser.choose(stats, plain_streak=0) == 0
+        picker.observe(1, 1.7)
+    assert picker.observed[0] == pytest.approx(2.5)  # not stale yet
+    picker.observe(1, 1.7)
+    assert 0 not in picker.observed and 0 not in picker.samples
+    assert picker.observed[1] == pytest.approx(1.7)  # the depth in use keeps its window
+    assert picker.costs().round(0) == pytest.approx(1.0)
+    assert picker.choose(stats, plain_streak=0) == 0
     # Timed again, plain decoding counts from MIN_OBSERVED new times (none dropped).
     for _ in range(MIN_OBSERVED):
-        chooser.observe(0, 1.1)
-    assert chooser.observed[0] == pytest.approx(1.1)
+        picker.observe(0, 1.1)
+    assert picker.observed[0] == pytest.approx(1.1)
     # Without following observed times (a CPU's) windows rank nothing and stay.
-    cpu = DepthChooser(max_depth=1, calibrated=chooser.calibrated, follow_observed=False)
+    cpu = DepthPicker(max_depth=1, calibrated=picker.calibrated, follow_observed=False)
     for _ in range(1 + MIN_OBSERVED):
         cpu.observe(0, 2.5)
     for _ in range(2 * STALE_AFTER):
@@ -150,48 +150,48 @@ def test_a_depth_left_behind_loses_its_stale_window() -> None:
 
 
 def test_an_explored_depth_is_not_explored_again() -> None:
-    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
+    picker = DepthPicker(max_depth=5, calibrated=CLOSE)
     stats = SpeculativeStats()
     for kept in (1, 1, 0, 1, 1, 0, 1)[: EXPLORE_EVERY - 1]:
         stats.record(1, kept)
-    assert chooser.pick(stats, 0, 1)[:2] == (2, 1)  # depth 2 unknown: this round explores it
+    assert picker.pick(stats, 0, 1)[:2] == (2, 1)  # depth 2 unknown: this round explores it
     for _ in range(EXPLORED_ROUNDS):
-        chooser.record(2, 1)  # position 2 reached often enough, and never kept
+        picker.record(2, 1)  # position 2 reached often enough, and never kept
     for _ in range(1 + MIN_OBSERVED):  # the first observation is dropped
-        chooser.observe(2, CLOSE.round(2))
-    assert chooser.explored(2)
-    assert chooser.pick(stats, 0, 1)[:2] == (1, 1)
+        picker.observe(2, CLOSE.round(2))
+    assert picker.explored(2)
+    assert picker.pick(stats, 0, 1)[:2] == (1, 1)
 
 
 def test_an_unseen_position_is_discounted_from_the_one_before() -> None:
-    chooser = DepthChooser(max_depth=3, calibrated=CHEAP_VERIFY)
+    picker = DepthPicker(max_depth=3, calibrated=CHEAP_VERIFY)
     for _ in range(1000):
-        chooser.record(1, 1)  # the first draft always kept; the second never drafted
-    first, second, third = chooser.prior()
+        picker.record(1, 1)  # the first draft always kept; the second never drafted
+    first, second, third = picker.prior()
     assert first > 0.99
     assert second == pytest.approx(first * UNSEEN_DISCOUNT)
     assert third == pytest.approx(second * UNSEEN_DISCOUNT)
 
 
 def test_a_plain_request_reconsiders_only_every_few_steps() -> None:
-    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY)
+    picker = DepthPicker(max_depth=5, calibrated=CHEAP_VERIFY)
     good = SpeculativeStats()
     for _ in range(50):
         good.record(3, 3)
     # Between rechecks the depth stays 0 without any estimate computed...
-    assert chooser.pick(good, plain_streak=RECHECK_EVERY + 1, current=0)[:2] == (0, 0)
+    assert picker.pick(good, plain_streak=RECHECK_EVERY + 1, current=0)[:2] == (0, 0)
     # ...and at a recheck the acceptance counts win.
-    assert chooser.pick(good, plain_streak=RECHECK_EVERY, current=0)[1] >= 3
+    assert picker.pick(good, plain_streak=RECHECK_EVERY, current=0)[1] >= 3
 
 
 def test_a_depth_estimated_far_worse_is_not_explored() -> None:
     # Dear drafts and a first draft seldom kept: depth 2 is far behind depth 1.
     costs = RoundCosts(plain=1.0, rounds={1: 1.05, 2: 2.5, 3: 4.0, 4: 5.5, 5: 7.0})
-    chooser = DepthChooser(max_depth=5, calibrated=costs)
+    picker = DepthPicker(max_depth=5, calibrated=costs)
     stats = SpeculativeStats()
     for kept in (1, 0, 1, 1, 0, 1, 1)[: EXPLORE_EVERY - 1]:
         stats.record(1, kept)
-    assert chooser.pick(stats, 0, 1)[:2] == (1, 1)  # an exploration round, but not worth it
+    assert picker.pick(stats, 0, 1)[:2] == (1, 1)  # an exploration round, but not worth it
 
 
 def test_the_engines_time_between_steps_is_added_to_every_step() -> None:
@@ -201,20 +201,20 @@ def test_the_engines_time_between_steps_is_added_to_every_step() -> None:
     stats = SpeculativeStats()
     for _ in range(100):
         stats.record(1, 1 if _ % 10 else 0)
-    chooser = DepthChooser(max_depth=1, calibrated=dear)
-    assert chooser.choose(stats, plain_streak=0) == 0
+    picker = DepthPicker(max_depth=1, calibrated=dear)
+    assert picker.choose(stats, plain_streak=0) == 0
     for _ in range(MIN_OBSERVED - 1):
-        chooser.observe_between(0.5)
-    assert chooser.overhead() == 0.0  # too few to count
-    chooser.observe_between(0.5)
-    assert chooser.overhead() == pytest.approx(0.5)
-    assert chooser.costs().round(0) == pytest.approx(1.5)
-    assert chooser.costs().round(1) == pytest.approx(2.5)
-    assert chooser.choose(stats, plain_streak=0) == 1
-    chooser.forget_observations()
-    assert chooser.overhead() == 0.0
+        picker.observe_between(0.5)
+    assert picker.overhead() == 0.0  # too few to count
+    picker.observe_between(0.5)
+    assert picker.overhead() == pytest.approx(0.5)
+    assert picker.costs().round(0) == pytest.approx(1.5)
+    assert picker.costs().round(1) == pytest.approx(2.5)
+    assert picker.choose(stats, plain_streak=0) == 1
+    picker.forget_observations()
+    assert picker.overhead() == 0.0
     # Without following observed times (a CPU's), the calibration alone ranks depths.
-    unfollowed = DepthChooser(max_depth=1, calibrated=dear, follow_observed=False)
+    unfollowed = DepthPicker(max_depth=1, calibrated=dear, follow_observed=False)
     for _ in range(MIN_OBSERVED):
         unfollowed.observe_between(0.5)
     assert unfollowed.overhead() == 0.0
@@ -224,33 +224,33 @@ def test_without_following_observed_times_only_the_calibration_ranks_depths() ->
     good = SpeculativeStats()
     for _ in range(50):
         good.record(3, 3)
-    chooser = DepthChooser(max_depth=5, calibrated=CHEAP_VERIFY, follow_observed=False)
+    picker = DepthPicker(max_depth=5, calibrated=CHEAP_VERIFY, follow_observed=False)
     for _ in range(1 + MIN_OBSERVED):  # rounds timed in a busy spell, plain steps in a quiet one
-        chooser.observe(0, 1.0)
+        picker.observe(0, 1.0)
         for depth in range(1, 6):
-            chooser.observe(depth, 50.0)
-    costs = chooser.costs()
+            picker.observe(depth, 50.0)
+    costs = picker.costs()
     assert costs.round(3) / costs.round(0) == pytest.approx(CHEAP_VERIFY.round(3))
-    assert chooser.choose(good, plain_streak=0) >= 3
+    assert picker.choose(good, plain_streak=0) >= 3
 
 
 def test_a_hard_start_does_not_turn_speculation_off() -> None:
     """The engine's requests kept most first drafts; this one's first two were
     rejected (a reply's opening tokens are the hardest to draft): it keeps drafting."""
-    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
+    picker = DepthPicker(max_depth=5, calibrated=CLOSE)
     for _ in range(100):
-        chooser.record(1, 1 if _ % 7 else 0)  # about 0.86 kept
+        picker.record(1, 1 if _ % 7 else 0)  # about 0.86 kept
     start = SpeculativeStats()
     start.record(1, 0)
     start.record(1, 0)
-    assert chooser.pick(start, 0, 1)[1] >= 1
+    assert picker.pick(start, 0, 1)[1] >= 1
 
 
 def test_a_plain_request_near_break_even_probes_often() -> None:
     """Depth 1 estimated just below plain decoding: probes every PROBE_NEAR_EVERY
     plain steps (rare probes sampled the same positions of a greedy reply); far
     below it, only every PROBE_EVERY."""
-    near = DepthChooser(max_depth=5, calibrated=CLOSE)  # round(1) = 1.5 plain steps
+    near = DepthPicker(max_depth=5, calibrated=CLOSE)  # round(1) = 1.5 plain steps
     for _ in range(1 + MIN_OBSERVED):  # depth 1 timed: a probe is one round
         near.observe(0, 1.0)
         near.observe(1, 1.5)
@@ -259,7 +259,7 @@ def test_a_plain_request_near_break_even_probes_often() -> None:
         middling.record(1, kept)  # a first draft kept half the time: E(1) = 1.5
     assert near.pick(middling, plain_streak=0, current=0)[:2] == (0, 0)
     assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0)[:2] == (1, 0)
-    far = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    far = DepthPicker(max_depth=5, calibrated=DEAR_VERIFY)
     rejected = SpeculativeStats()
     for _ in range(200):
         rejected.record(1, 0)
@@ -270,7 +270,7 @@ def test_a_plain_request_near_break_even_probes_often() -> None:
 def test_far_probes_that_leave_a_request_plain_space_out() -> None:
     """Each far probe that kept the request plain doubles the wait for the next one,
     up to MAX_PROBE_BACKOFF doublings; near break-even probes do not back off."""
-    far = DepthChooser(max_depth=5, calibrated=DEAR_VERIFY)
+    far = DepthPicker(max_depth=5, calibrated=DEAR_VERIFY)
     rejected = SpeculativeStats()
     for _ in range(200):
         rejected.record(1, 0)
@@ -279,7 +279,7 @@ def test_far_probes_that_leave_a_request_plain_space_out() -> None:
         before = far.pick(rejected, plain_streak=wait - RECHECK_EVERY, current=0, probes=probes)
         assert before == (0, 0, False)
         assert far.pick(rejected, plain_streak=wait, current=0, probes=probes) == (1, 0, True)
-    near = DepthChooser(max_depth=5, calibrated=CLOSE)
+    near = DepthPicker(max_depth=5, calibrated=CLOSE)
     for _ in range(1 + MIN_OBSERVED):
         near.observe(0, 1.0)
         near.observe(1, 1.5)
@@ -294,24 +294,24 @@ def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
     """The round a probe runs is never timed (it folds the plain steps in): the probe
     drafts on until depth 1's round time is observed, so observed times can overrule
     a calibration that priced depth 1 out; once observed, a probe is one round."""
-    chooser = DepthChooser(max_depth=5, calibrated=CLOSE)
+    picker = DepthPicker(max_depth=5, calibrated=CLOSE)
     for kept in (1, 0) * 20:
-        chooser.record(1, kept)  # earlier requests: a first draft kept half the time
+        picker.record(1, kept)  # earlier requests: a first draft kept half the time
     middling = SpeculativeStats()
     middling.record(1, 1)  # this request's one probe round
-    assert chooser.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0)[:2] == (1, 0)
-    assert chooser.pick(middling, plain_streak=0, current=0)[:2] == (1, 0)  # just probed
-    unpromising = DepthChooser(max_depth=5, calibrated=CLOSE)
+    assert picker.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0)[:2] == (1, 0)
+    assert picker.pick(middling, plain_streak=0, current=0)[:2] == (1, 0)  # just probed
+    unpromising = DepthPicker(max_depth=5, calibrated=CLOSE)
     for _ in range(40):
         unpromising.record(1, 0)  # earlier requests' first drafts all rejected
     # A request that has not probed yet (no rounds) does not start with one.
     assert unpromising.pick(SpeculativeStats(), plain_streak=0, current=0)[:2] == (0, 0)
     for _ in range(1 + MIN_OBSERVED):
-        chooser.observe(0, 1.0)
-        chooser.observe(1, 0.9)  # cheaper than calibrated: depth 1 now pays
-    assert chooser.pick(middling, plain_streak=0, current=0)[:2] == (1, 1)
+        picker.observe(0, 1.0)
+        picker.observe(1, 0.9)  # cheaper than calibrated: depth 1 now pays
+    assert picker.pick(middling, plain_streak=0, current=0)[:2] == (1, 1)
     # A request whose rounds are never timed (a grammar's) stops after PROBE_ROUNDS.
-    untimed = DepthChooser(max_depth=5, calibrated=CLOSE)
+    untimed = DepthPicker(max_depth=5, calibrated=CLOSE)
     long_probe = SpeculativeStats()
     for _ in range(PROBE_ROUNDS):
         long_probe.record(1, 1)
@@ -319,7 +319,7 @@ def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
         untimed.record(1, 0)
     assert untimed.pick(long_probe, plain_streak=0, current=0)[:2] == (0, 0)
     # Without following observed times (a CPU), a probe stays one round.
-    cpu = DepthChooser(max_depth=5, calibrated=CLOSE, follow_observed=False)
+    cpu = DepthPicker(max_depth=5, calibrated=CLOSE, follow_observed=False)
     for kept in (1, 0) * 20:
         cpu.record(1, kept)
     assert cpu.pick(middling, plain_streak=0, current=0)[:2] == (0, 0)

@@ -16,9 +16,10 @@ import pytest
 from llguidance import LLMatcher
 from scipy.stats import chisquare
 
+from mlxserve.channel.request import GenerationParams, SamplingParams
 from mlxserve.engine.core.build import materialize
-from mlxserve.engine.core.engine import Engine, EngineConfig
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.sample.grammar import Grammars
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import KeyStream
@@ -54,9 +55,12 @@ def test_greedy_json_at_depth_k_equals_depth_0(demo: tuple[Any, Any, Grammars]) 
     _, tokenizer, _ = demo
     options: Any = {"whitespace_flexible": False}
     grammar = LLMatcher.grammar_from_json_schema(SCHEMA, defaults=options)
-    stops = frozenset(tokenizer.eos_token_ids)
+    stops = tuple(tokenizer.eos_token_ids)
     request = GenerationRequest(
-        "j", ask(tokenizer, "JSON please"), 48, SamplingParams(logprobs=2), stops, grammar=grammar
+        "j",
+        GenerationParams(
+            ask(tokenizer, "JSON please"), 48, SamplingParams(logprobs=2), stops, grammar=grammar
+        ),
     )
     base, base_lp, _ = drive(engine(demo, 0), [request], [])["j"]
     for depth in (2, 4):
@@ -78,7 +82,7 @@ def test_penalised_greedy_at_depth_k_equals_depth_0(demo: tuple[Any, Any, Gramma
         logit_bias=((tokenizer.encode(" the")[-1], -5.0),),
         logprobs=4,
     )
-    request = GenerationRequest("p", prompt, 40, sampling)
+    request = GenerationRequest("p", GenerationParams(prompt, 40, sampling))
     base, base_lp, _ = drive(engine(demo, 0), [request], [])["p"]
     tokens, records, finish = drive(engine(demo, 3), [request], [])["p"]
     assert tokens == base
@@ -88,7 +92,9 @@ def test_penalised_greedy_at_depth_k_equals_depth_0(demo: tuple[Any, Any, Gramma
         assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-3)
         assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
     # Without the penalties the answer differs: they are applied inside the rounds.
-    plain, _, _ = drive(engine(demo, 3), [GenerationRequest("q", prompt, 40)], [])["q"]
+    plain, _, _ = drive(
+        engine(demo, 3), [GenerationRequest("q", GenerationParams(prompt, 40))], []
+    )["q"]
     assert plain != tokens
 
 

@@ -7,10 +7,11 @@ import mlx.core as mx
 import pytest
 from mlx.nn.layers.base import Module
 
-from mlxserve.engine.core import engine as engine_module
-from mlxserve.engine.core.engine import Engine, EngineConfig
-from mlxserve.engine.core.request import GenerationRequest, SamplingParams
-from mlxserve.engine.core.sequence import Sequence
+from mlxserve.channel.request import GenerationParams, SamplingParams
+from mlxserve.engine.core import stepper
+from mlxserve.engine.core.request import GenerationRequest
+from mlxserve.engine.core.request_state import RequestState
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.sample.sampling import KeyStream
 from mlxserve.engine.spec.costs import RoundCosts
 from mlxserve.engine.spec.depth import (
@@ -18,7 +19,7 @@ from mlxserve.engine.spec.depth import (
     PROBE_EVERY,
     PROBE_NEAR_EVERY,
     RECHECK_EVERY,
-    DepthChooser,
+    DepthPicker,
 )
 from mlxserve.engine.spec.mtp import MTPAdapter
 from tests.engine.drive import run
@@ -53,7 +54,7 @@ def plain_greedy(model: Module, prompt: tuple[int, ...], n: int) -> list[int]:
 def test_greedy_speculation_equals_plain_decoding(v4: Module, depth: int) -> None:
     expected = plain_greedy(v4, PROMPT, 30)
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth=depth))
-    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 30))["a"]
+    tokens, finish = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 30)))["a"]
     assert tokens == expected
     assert finish.finish_reason == "length"
     if depth:
@@ -71,7 +72,8 @@ def test_automatic_depth_keeps_the_output(v4: Module, temperature: float) -> Non
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
     assert engine.auto and engine.depth == 5
     sampling = SamplingParams(temperature=temperature, seed=3)
-    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 40, sampling))["a"]
+    request = GenerationRequest("a", GenerationParams(PROMPT, 40, sampling))
+    tokens, finish = run(engine, request)["a"]
     assert finish.speculative is not None
     chosen = finish.speculative["depths_chosen"]
     assert isinstance(chosen, dict) and sum(chosen.values()) > 0
@@ -81,7 +83,7 @@ def test_automatic_depth_keeps_the_output(v4: Module, temperature: float) -> Non
     else:
         # A seed reproduces its completion only at a fixed depth: it gets one.
         assert finish.speculative["depth"] == 2 and "2" in chosen  # the last may be cut
-        again, _ = run(engine, GenerationRequest("b", PROMPT, 40, sampling))["b"]
+        again, _ = run(engine, GenerationRequest("b", GenerationParams(PROMPT, 40, sampling)))["b"]
         assert len(tokens) == 40 and again == tokens
 
 
@@ -90,37 +92,37 @@ def test_a_plain_request_probes_less_and_less_while_probes_fail(v4: Module) -> N
     request decodes plainly and probes after 32 plain steps, then after 64 more
     (`MAX_PROBE_BACKOFF`), not every 32 (four probes in 140 tokens); output unchanged."""
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
-    chooser = DepthChooser(max_depth=5, calibrated=DEAR, follow_observed=False)
+    picker = DepthPicker(max_depth=5, calibrated=DEAR, follow_observed=False)
     for _ in range(200):
-        chooser.record(1, 0)
-    engine.chooser = engine.runner.chooser = chooser
-    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 140))["a"]
+        picker.record(1, 0)
+    engine.depth_picker = engine.runner.depth_picker = picker
+    tokens, finish = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 140)))["a"]
     plain = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth=0))
-    assert tokens == run(plain, GenerationRequest("b", PROMPT, 140))["b"][0]
+    assert tokens == run(plain, GenerationRequest("b", GenerationParams(PROMPT, 140)))["b"][0]
     assert finish.speculative is not None
     assert finish.speculative["depths_chosen"]["1"] == 2
 
 
-def recorded_gaps(chooser: DepthChooser) -> list[float]:
-    """The times between steps `chooser` observes from now on, in order."""
+def recorded_gaps(picker: DepthPicker) -> list[float]:
+    """The times between steps `picker` observes from now on, in order."""
     gaps: list[float] = []
-    observe = chooser.observe_between
+    observe = picker.observe_between
 
     def recorded(seconds: float) -> None:
         gaps.append(seconds)
         observe(seconds)
 
-    chooser.observe_between = recorded  # type: ignore[method-assign]
+    picker.observe_between = recorded  # type: ignore[method-assign]
     return gaps
 
 
 def test_the_time_between_a_requests_steps_is_observed(v4: Module) -> None:
     """Every step of a request after its first is preceded by the engine's own work,
-    timed from the end of the one before (`DepthChooser.overhead`); nothing is timed
+    timed from the end of the one before (`DepthPicker.overhead`); nothing is timed
     across a prefill or from another request's step."""
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
-    chooser = DepthChooser(max_depth=5, calibrated=DEAR)
-    engine.chooser = engine.runner.chooser = chooser
+    picker = DepthPicker(max_depth=5, calibrated=DEAR)
+    engine.depth_picker = engine.runner.depth_picker = picker
     kinds: list[tuple[str, tuple[str, ...]]] = []
     run_step = engine.runner.run
 
@@ -129,9 +131,9 @@ def test_the_time_between_a_requests_steps_is_observed(v4: Module) -> None:
         return run_step(plan, sequences)
 
     engine.runner.run = counted  # type: ignore[method-assign]
-    gaps = recorded_gaps(chooser)
+    gaps = recorded_gaps(picker)
     for rid in ("a", "b"):
-        run(engine, GenerationRequest(rid, PROMPT, 12))
+        run(engine, GenerationRequest(rid, GenerationParams(PROMPT, 12)))
     following = sum(
         1
         for before, after in itertools.pairwise(kinds)
@@ -139,7 +141,7 @@ def test_the_time_between_a_requests_steps_is_observed(v4: Module) -> None:
     )
     assert following >= 2 * 8  # most of both requests' steps
     assert len(gaps) == following
-    assert all(gap >= 0 for gap in gaps) and chooser.overhead() > 0
+    assert all(gap >= 0 for gap in gaps) and picker.overhead() > 0
 
 
 def test_no_gap_is_timed_across_the_calibration(
@@ -154,7 +156,7 @@ def test_no_gap_is_timed_across_the_calibration(
     def ahead() -> float:
         return time.perf_counter() + 1000.0
 
-    monkeypatch.setattr(engine_module, "cost_clock", lambda: ahead)
+    monkeypatch.setattr(stepper, "cost_clock", lambda: ahead)
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
     measure = engine.adapter.measure_costs  # type: ignore[attr-defined]
     spent: list[float] = []
@@ -167,15 +169,15 @@ def test_no_gap_is_timed_across_the_calibration(
 
     engine.adapter.measure_costs = timed  # type: ignore[attr-defined]
     gaps: list[float] = []
-    observe = DepthChooser.observe_between
+    observe = DepthPicker.observe_between
 
-    def recorded(chooser: DepthChooser, seconds: float) -> None:
+    def recorded(picker: DepthPicker, seconds: float) -> None:
         gaps.append(seconds)
-        observe(chooser, seconds)
+        observe(picker, seconds)
 
-    monkeypatch.setattr(DepthChooser, "observe_between", recorded)
-    run(engine, GenerationRequest("a", PROMPT, 24))
-    assert engine.chooser is not None and len(spent) == 1
+    monkeypatch.setattr(DepthPicker, "observe_between", recorded)
+    run(engine, GenerationRequest("a", GenerationParams(PROMPT, 24)))
+    assert engine.depth_picker is not None and len(spent) == 1
     assert gaps  # the request's later steps were timed
     assert all(0 <= gap < spent[0] / 2 for gap in gaps), (gaps, spent)
 
@@ -184,12 +186,12 @@ def test_no_gap_is_timed_across_a_request_that_comes_back(v4: Module) -> None:
     """A finished id may come back (a caller's own ids); with its prompt in the prefix
     cache it needs no prefill, and the wait in between is not the engine's."""
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth="auto"))
-    chooser = DepthChooser(max_depth=5, calibrated=DEAR)
-    engine.chooser = engine.runner.chooser = chooser
-    gaps = recorded_gaps(chooser)
+    picker = DepthPicker(max_depth=5, calibrated=DEAR)
+    engine.depth_picker = engine.runner.depth_picker = picker
+    gaps = recorded_gaps(picker)
     idle = 0.3
     for _ in range(2):
-        run(engine, GenerationRequest("same", PROMPT, 8))
+        run(engine, GenerationRequest("same", GenerationParams(PROMPT, 8)))
         time.sleep(idle)
     assert gaps and max(gaps) < idle / 2, gaps
 
@@ -199,32 +201,34 @@ def test_only_far_probes_space_out_and_drafting_resets_them(v4: Module) -> None:
     or more), not its near ones (after PROBE_NEAR_EVERY), and forgets them once the
     request chooses to draft."""
     engine = Engine(MTPAdapter(v4), EngineConfig(speculative_depth="auto"))
-    sequence = Sequence(GenerationRequest("a", PROMPT, 64), KeyStream(0), depth=5, auto=True)
+    sequence = RequestState(
+        GenerationRequest("a", GenerationParams(PROMPT, 64)), KeyStream(0), depth=5, auto=True
+    )
     sequence.chosen_depth = 0
 
-    far = DepthChooser(max_depth=5, calibrated=DEAR, follow_observed=False)
+    far = DepthPicker(max_depth=5, calibrated=DEAR, follow_observed=False)
     for _ in range(200):
         far.record(1, 0)
-    engine.chooser = far
+    engine.depth_picker = far
     sequence.plain_streak = PROBE_EVERY
     assert engine._depth_for(sequence) == 1 and sequence.probes == 1
 
-    near = DepthChooser(max_depth=5, calibrated=CLOSE)
+    near = DepthPicker(max_depth=5, calibrated=CLOSE)
     for _ in range(1 + MIN_OBSERVED):
         near.observe(0, 1.0)
         near.observe(1, 1.5)
     for kept in (1, 0) * 20:
         sequence.stats.record(1, kept)  # a first draft kept half the time
-    engine.chooser = near
+    engine.depth_picker = near
     sequence.plain_streak = PROBE_NEAR_EVERY
     assert engine._depth_for(sequence) == 1 and sequence.probes == 1  # near: not counted
 
-    paying = DepthChooser(max_depth=5, calibrated=CHEAP, follow_observed=False)
+    paying = DepthPicker(max_depth=5, calibrated=CHEAP, follow_observed=False)
     for _ in range(200):
         paying.record(1, 1)
     for _ in range(40):
         sequence.stats.record(1, 1)
-    engine.chooser = paying
+    engine.depth_picker = paying
     sequence.plain_streak = RECHECK_EVERY
     assert engine._depth_for(sequence) > 0 and sequence.chosen_depth
     assert sequence.probes == 0
@@ -232,16 +236,16 @@ def test_only_far_probes_space_out_and_drafting_resets_them(v4: Module) -> None:
 
 def test_prefix_cache_hit_keeps_speculation_exact(v4: Module) -> None:
     engine = Engine(MTPAdapter(v4), EngineConfig(prefill_step=16, speculative_depth=3))
-    first, _ = run(engine, GenerationRequest("a", PROMPT, 20))["a"]
+    first, _ = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 20)))["a"]
     extended = (*PROMPT, *first[:5])
-    second, finish = run(engine, GenerationRequest("b", extended, 20))["b"]
+    second, finish = run(engine, GenerationRequest("b", GenerationParams(extended, 20)))["b"]
     assert finish.usage.cached_tokens == len(PROMPT) - 1
     assert second == plain_greedy(v4, extended, 20)
 
 
 def test_depth_limited_by_budget(v4: Module) -> None:
     engine = Engine(MTPAdapter(v4), EngineConfig(speculative_depth=5))
-    tokens, finish = run(engine, GenerationRequest("a", PROMPT, 3))["a"]
+    tokens, finish = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 3)))["a"]
     assert tokens == plain_greedy(v4, PROMPT, 3)
     assert finish.usage.completion_tokens == 3
 
@@ -249,8 +253,8 @@ def test_depth_limited_by_budget(v4: Module) -> None:
 def test_sampling_with_seed_is_reproducible(v4: Module) -> None:
     engine = Engine(MTPAdapter(v4), EngineConfig(speculative_depth=3, prefix_cache_entries=0))
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
-    first = run(engine, GenerationRequest("a", PROMPT, 16, sampling))["a"][0]
-    second = run(engine, GenerationRequest("b", PROMPT, 16, sampling))["b"][0]
+    first = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 16, sampling)))["a"][0]
+    second = run(engine, GenerationRequest("b", GenerationParams(PROMPT, 16, sampling)))["b"][0]
     assert first == second and len(first) == 16
 
 
@@ -343,7 +347,7 @@ def test_speculative_sampling_keeps_the_distribution() -> None:
         out = []
         for seed in range(runs):
             sampling = SamplingParams(temperature=0.6, seed=seed)
-            request = GenerationRequest(f"r{seed}", PROMPT[:12], 3, sampling)
+            request = GenerationRequest(f"r{seed}", GenerationParams(PROMPT[:12], 3, sampling))
             out.append(run(engine, request)[f"r{seed}"][0])
         return out
 

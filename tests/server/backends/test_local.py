@@ -7,8 +7,9 @@ import stat
 
 import pytest
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.config import Settings
-from mlxserve.server.backends.base import BackendUnavailable, Finished, GenerationParams, Tokens
+from mlxserve.server.backends.base import BackendUnavailable, Finished, Tokens
 from mlxserve.server.backends.local import LocalEngine
 from mlxserve.server.runtime import engine_env, inherited_env
 from tests.server.live import MODEL

@@ -5,7 +5,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import fields, replace
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.server.app import create_app
 from mlxserve.server.backends.base import (
     BackendError,
@@ -22,13 +23,13 @@ from mlxserve.server.backends.base import (
     BackendRequestFailed,
     BackendUnavailable,
     Finished,
-    GenerationParams,
     Tokens,
 )
 from mlxserve.server.backends.remote import RemoteBackend, completion_body
-from mlxserve.server.codec import Codec
+from mlxserve.server.tokenizer import FrontTokenizer
 from tests.server.conftest import make_runtime
 from tests.server.fakes import FakeBackend
+from tests.server.test_request_walk import ALL_FIELDS, field_of, with_field
 
 PIECES = ["Hello", " world", ", again"]
 
@@ -64,11 +65,13 @@ def fake_server(status: int = 200, finish: bool = True) -> Starlette:
     return app
 
 
-def remote(codec: Codec, app: Starlette, api_key: str | None = "secret") -> RemoteBackend:
+def remote(
+    tokenizer: FrontTokenizer, app: Starlette, api_key: str | None = "secret"
+) -> RemoteBackend:
     return RemoteBackend(
         "remote",
         "http://fake/v1",
-        codec=codec,
+        tokenizer=tokenizer,
         api_key=api_key,
         request_timeout_s=5,
         context_length=4096,
@@ -84,14 +87,14 @@ async def collect(backend: RemoteBackend, prompt: list[int]) -> list[object]:
         await backend.stop()
 
 
-def test_streams_text_as_tokens(codec: Codec) -> None:
+def test_streams_text_as_tokens(tokenizer: FrontTokenizer) -> None:
     app = fake_server()
-    backend = remote(codec, app)
-    prompt = codec.text_ids("Say hello")
+    backend = remote(tokenizer, app)
+    prompt = tokenizer.text_ids("Say hello")
     events = asyncio.run(collect(backend, prompt))
     assert backend.info is not None and backend.info.context_length == 1024
     tokens = [t for e in events if isinstance(e, Tokens) for t in e.token_ids]
-    assert codec.decode(tokens) == "".join(PIECES)
+    assert tokenizer.decode(tokens) == "".join(PIECES)
     assert isinstance(events[-1], Finished) and events[-1].reason == "length"
     sent = app.state.seen[0]
     assert sent["prompt"] == "Say hello" and sent["model"] == "remote-model"
@@ -99,25 +102,27 @@ def test_streams_text_as_tokens(codec: Codec) -> None:
 
 
 @pytest.mark.parametrize(("status", "error"), [(503, BackendUnavailable), (400, BackendRejected)])
-def test_status_codes_map_to_retry_or_not(codec: Codec, status: int, error: type) -> None:
+def test_status_codes_map_to_retry_or_not(
+    tokenizer: FrontTokenizer, status: int, error: type
+) -> None:
     with pytest.raises(error):
-        asyncio.run(collect(remote(codec, fake_server(status)), [1, 2]))
+        asyncio.run(collect(remote(tokenizer, fake_server(status)), [1, 2]))
 
 
-def test_a_stream_without_finish_is_a_failure(codec: Codec) -> None:
+def test_a_stream_without_finish_is_a_failure(tokenizer: FrontTokenizer) -> None:
     with pytest.raises(BackendUnavailable):
-        asyncio.run(collect(remote(codec, fake_server(finish=False)), [1, 2]))
+        asyncio.run(collect(remote(tokenizer, fake_server(finish=False)), [1, 2]))
 
 
 # -- every field of the request reaches the remote --------------------------------------
 
 
 @asynccontextmanager
-async def mlxserve_remote(codec: Codec) -> AsyncIterator[tuple[str, FakeBackend]]:
+async def mlxserve_remote(tokenizer: FrontTokenizer) -> AsyncIterator[tuple[str, FakeBackend]]:
     """Another mlxserve (its front, a fake engine behind it) on a loopback port: its URL
     and its backend, whose calls are what the remote made of the requests it got."""
     engine = FakeBackend("engine").up()
-    app = create_app(make_runtime(codec, [engine]))
+    app = create_app(make_runtime(tokenizer, [engine]))
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning")
     )
@@ -134,14 +139,19 @@ async def mlxserve_remote(codec: Codec) -> AsyncIterator[tuple[str, FakeBackend]
 
 
 async def send_each(
-    codec: Codec, variants: dict[str, GenerationParams]
+    tokenizer: FrontTokenizer, variants: dict[str, GenerationParams]
 ) -> dict[str, GenerationParams | str]:
     """Each variant through a `RemoteBackend` over real HTTP: what the remote's engine
     got (or the refusal's message), by variant."""
     got: dict[str, GenerationParams | str] = {}
-    async with mlxserve_remote(codec) as (url, engine):
+    async with mlxserve_remote(tokenizer) as (url, engine):
         backend = RemoteBackend(
-            "fallback", url, codec=codec, api_key=None, request_timeout_s=10, context_length=256
+            "fallback",
+            url,
+            tokenizer=tokenizer,
+            api_key=None,
+            request_timeout_s=10,
+            context_length=256,
         )
         await backend.start()
         try:
@@ -160,15 +170,18 @@ async def send_each(
     return got
 
 
-def test_every_field_reaches_a_remote_mlxserve_or_is_refused_by_name(codec: Codec) -> None:
-    """Walks every field of `GenerationParams` (a new one fails here until it is
-    carried or refused): each, set alone to a value other than the baseline's, must
-    reach the remote's engine as sent, the whole request otherwise unchanged."""
-    prompt = tuple(codec.text_ids("Tell me about the sea"))
+def test_every_field_reaches_a_remote_mlxserve_or_is_refused_by_name(
+    tokenizer: FrontTokenizer,
+) -> None:
+    """Walks every field of `GenerationParams` and its `SamplingParams` (a new one fails
+    here until it is carried or refused): each, set alone to a value other than the
+    baseline's, must reach the remote's engine as sent, the whole request otherwise
+    unchanged."""
+    prompt = tuple(tokenizer.text_ids("Tell me about the sea"))
     eos = (5,)  # the fake engine's, which the remote front stops at by default
     base = GenerationParams(prompt_ids=prompt, max_tokens=4, stop_token_ids=eos)
     samples: dict[str, object] = {
-        "prompt_ids": tuple(codec.text_ids("Another prompt, about the hills")),
+        "prompt_ids": tuple(tokenizer.text_ids("Another prompt, about the hills")),
         "max_tokens": 7,
         "temperature": 0.7,
         "top_p": 0.9,
@@ -186,13 +199,13 @@ def test_every_field_reaches_a_remote_mlxserve_or_is_refused_by_name(codec: Code
         "grammar_prefix": prompt[-2:],
     }
     refused = {"logprobs", "grammar"}
-    assert set(samples) == {f.name for f in fields(GenerationParams)}, "a field has no sample"
+    assert set(samples) == ALL_FIELDS, "a field has no sample"
     variants = {"baseline": base} | {
-        name: replace(base, **{name: value}) for name, value in samples.items()
+        name: with_field(base, name, value) for name, value in samples.items()
     }
     for name, value in samples.items():
-        assert getattr(base, name) != value, f"{name}: the sample is the baseline's value"
-    got = asyncio.run(send_each(codec, variants))
+        assert field_of(base, name) != value, f"{name}: the sample is the baseline's value"
+    got = asyncio.run(send_each(tokenizer, variants))
     assert got["baseline"] == base
     for name, value in samples.items():
         if name in refused:
@@ -200,10 +213,10 @@ def test_every_field_reaches_a_remote_mlxserve_or_is_refused_by_name(codec: Code
         elif name == "grammar_prefix":
             assert got[name] == base  # the prompt holds it; without a grammar it is inert
         else:
-            assert got[name] == replace(base, **{name: value}), name
+            assert got[name] == with_field(base, name, value), name
 
 
-def test_ignore_eos_is_sent_only_when_asked(codec: Codec) -> None:
+def test_ignore_eos_is_sent_only_when_asked(tokenizer: FrontTokenizer) -> None:
     """A plain request carries no vendor extension, so a strict server takes it."""
     params = GenerationParams(prompt_ids=(1, 2), max_tokens=3, stop_token_ids=(5,))
     assert set(completion_body(params, "m", "p")) == {
@@ -260,10 +273,10 @@ BUG = {"message": "internal server error", "type": "internal_error", "code": "in
     ],
 )
 def test_a_remote_failure_is_classified_as_it_states_it(
-    codec: Codec, status: int, error: dict[str, object], in_band: bool, kind: type
+    tokenizer: FrontTokenizer, status: int, error: dict[str, object], in_band: bool, kind: type
 ) -> None:
     app = failing_server(status, error, in_band)
     with pytest.raises(BackendError) as caught:
-        asyncio.run(collect(remote(codec, app, api_key=None), [1, 2]))
+        asyncio.run(collect(remote(tokenizer, app, api_key=None), [1, 2]))
     assert type(caught.value) is kind
     assert str(error["message"]) in str(caught.value)

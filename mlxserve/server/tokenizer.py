@@ -1,8 +1,12 @@
-"""Tokenizer work done in the front: chat template, encoding, streaming decoding.
+"""The model's tokenizer as the front uses it: chat template, encoding, streaming decoding.
 
 Why in the front: validation (prompt + max_tokens within the context) must
 happen before a request reaches any engine, and resuming a stream on another
 backend needs the token ids already sent. The engine sees token ids only.
+
+`FrontTokenizer`, not another wrapper: mlx-lm's ``TokenizerWrapper`` is inside, and
+this adds what the front needs of it (thread-safe encoding, size bounds, grammar
+checks, a continuation's detokenizer, the facts the chat formats read).
 """
 
 from __future__ import annotations
@@ -12,13 +16,15 @@ import functools
 import json
 import threading
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
+from mlxserve.chat.prompt import PromptFormat
+from mlxserve.chat.template import transcript
 from mlxserve.errors import UsageError
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.token_bound import bytes_per_token, min_tokens
 
-#: Texts at least this long are tokenized one at a time (see `Codec.text_ids`).
+#: Texts at least this long are tokenized one at a time (see `FrontTokenizer.text_ids`).
 LONG_TEXT_CHARS = 1 << 20
 
 
@@ -33,10 +39,7 @@ class Detokenizer(Protocol):
     def last_segment(self) -> str: ...
 
 
-PromptFormat = Literal["template", "deepseek_v4", "transcript"]
-
-
-class Codec:
+class FrontTokenizer:
     def __init__(self, tokenizer: Any, model_type: str | None = None) -> None:
         self._tokenizer = tokenizer
         self.model_type = model_type
@@ -45,7 +48,7 @@ class Codec:
         self._ll_lock = threading.Lock()
 
     @classmethod
-    def load(cls, model_dir: Path) -> Codec:
+    def load(cls, model_dir: Path) -> FrontTokenizer:
         """The tokenizer of a model directory (no weights are read)."""
         from mlx_lm.utils import load_tokenizer
 
@@ -54,9 +57,9 @@ class Codec:
             and not (model_dir / "tokenizer.json").is_file()
         ):
             raise UsageError(f"{model_dir}: no tokenizer files (tokenizer.json) in the model")
-        codec = cls(load_tokenizer(model_dir), _model_type(model_dir))  # type: ignore[no-untyped-call]
-        _ = codec.bytes_per_token  # it reads the whole vocabulary: at load, not on a request
-        return codec
+        tokenizer = cls(load_tokenizer(model_dir), _model_type(model_dir))  # type: ignore[no-untyped-call]
+        _ = tokenizer.bytes_per_token  # it reads the whole vocabulary: at load, not on a request
+        return tokenizer
 
     @property
     def has_chat_template(self) -> bool:
@@ -147,12 +150,12 @@ class Codec:
 
     def grammar_problem(self, grammar: str) -> str | None:
         """Why ``grammar`` cannot be enforced with this tokenizer (None: it can),
-        found as the engine would find it (`mlxserve.engine.sample.grammar.start_problem`),
+        found as the engine would find it (`mlxserve.grammars.start_problem`),
         but before the request is admitted: in the engine it fails the request
         after a slot was taken, inside a step. Thread-safe (requests are prepared
         off the event loop); the first call builds llguidance's tokenizer, about a
         second for a large vocabulary."""
-        from mlxserve.engine.sample.grammar import ll_tokenizer, start_problem
+        from mlxserve.grammars import ll_tokenizer, start_problem
 
         with self._ll_lock:
             if self._ll is None:
@@ -224,11 +227,6 @@ def _malloc_trim() -> Any:
         return ctypes.CDLL(None).malloc_trim
     except (AttributeError, OSError):  # not glibc (macOS, musl)
         return None
-
-
-def transcript(messages: list[dict[str, Any]]) -> str:
-    """No template and no encoder: a plain transcript, so base models still answer something."""
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 def _model_type(model_dir: Path) -> str | None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 
-from mlxserve.models.deepseek_v4.encoding import (
+from mlxserve.chat.deepseek_v4.encoding import (
     INVOKE_END,
     INVOKE_START,
     PARAMETER_END,
@@ -31,7 +31,7 @@ from mlxserve.models.deepseek_v4.encoding import (
     TOOL_CALLS_START,
     to_json,
 )
-from mlxserve.models.tool_calls import ParsedToolCall, Text, ToolOutput, partial_suffix
+from mlxserve.chat.tool_calls import ParsedToolCall, Text, ToolOutput, partial_suffix
 
 _INVOKE_HEAD = re.compile(r'\s*name="([^"]+)">')
 _PARAMETER_HEAD = re.compile(r'\s*name="([^"]+)"\s+string="(true|false)">')

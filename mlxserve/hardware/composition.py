@@ -1,4 +1,9 @@
-"""The cluster as the policy engine sees it: every rank's profile plus the wiring."""
+"""The cluster as the policy sees it: every rank's profile plus the wiring.
+
+It lives beside the rank profile, not in `mlxserve.cluster`, because both sides need it:
+`mlxserve.cluster.discover` builds it from the exchanged profiles, and the policy reads
+it, and the policy imports nothing of the package that joins groups and moves bytes.
+"""
 
 from typing import Literal
 

@@ -1,4 +1,9 @@
-"""One request's life inside the engine: where its prompt is, what it generated."""
+"""One request's life inside the engine: where its prompt is, what it generated.
+
+`RequestState` is the engine's record of a request it admitted: its phase, its
+model state (caches), its random keys and its speculative depth. Variables that
+hold one are named ``sequence`` (a request's token sequence, as it grows).
+"""
 
 from dataclasses import dataclass, field
 from enum import Enum
@@ -19,7 +24,7 @@ class Phase(Enum):
 
 
 @dataclass
-class Sequence:
+class RequestState:
     request: GenerationRequest
     keys: KeyStream
     depth: int
@@ -47,7 +52,7 @@ class Sequence:
     plain_streak: int = 0
     # the automatic depth in use (None: none chosen yet)
     chosen_depth: int | None = None
-    # far probes of depth 1 since it last chose to draft (`DepthChooser.pick`'s ``probes``)
+    # far probes of depth 1 since it last chose to draft (`DepthPicker.pick`'s ``probes``)
     probes: int = 0
 
     @property
@@ -56,7 +61,7 @@ class Sequence:
 
     @property
     def prompt(self) -> tuple[int, ...]:
-        return self.request.prompt_ids
+        return self.request.params.prompt_ids
 
     @property
     def prompt_remaining(self) -> int:
@@ -65,4 +70,4 @@ class Sequence:
 
     @property
     def budget(self) -> int:
-        return self.request.max_tokens - len(self.generated)
+        return self.request.params.max_tokens - len(self.generated)

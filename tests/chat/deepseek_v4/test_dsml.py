@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from mlxserve.models.deepseek_v4.dsml import DsmlParser, MalformedDsml, parse_block
-from mlxserve.models.deepseek_v4.encoding import ToolCall, render_tool_calls
-from mlxserve.models.tool_calls import ParsedToolCall, Text, ToolOutput
+from mlxserve.chat.deepseek_v4.dsml import DsmlParser, MalformedDsml, parse_block
+from mlxserve.chat.deepseek_v4.encoding import ToolCall, render_tool_calls
+from mlxserve.chat.tool_calls import ParsedToolCall, Text, ToolOutput
 
 BLOCK = (
     "<｜DSML｜tool_calls>\n"

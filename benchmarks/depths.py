@@ -1,4 +1,4 @@
-"""Engine benchmark on the built-in demo model; prints one JSON document.
+"""The engine's speculative depths on the built-in demo model; prints one JSON document.
 
 - per prompt: decode tok/s with MTP depth 0..5 and "auto" (greedy), the speedup
   over depth 0, acceptance per depth, the depths auto chose, and auto's ratio to
@@ -7,7 +7,7 @@
 - our decode tok/s at depth 0 over `mlx_lm.generate`'s on the same model
   (target >= 0.95). Every figure is a ratio measured in this one run.
 
-Run: python benchmarks/engine.py [--tokens 128] [--repeats 3] [--prompts 5]
+Run: python benchmarks/depths.py [--tokens 128] [--repeats 3] [--prompts 5]
 (on Linux, LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 speeds it up)
 """
 
@@ -16,9 +16,10 @@ import json
 import statistics
 from typing import Any
 
+from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.drive import run_to_completion
-from mlxserve.engine.core.engine import Engine, EngineConfig
 from mlxserve.engine.core.request import FinishEvent, GenerationRequest
+from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
@@ -48,7 +49,7 @@ def decode_rate(engine: Engine, prompt: tuple[int, ...], n: int, repeats: int) -
     rates = []
     finish = None
     for i in range(repeats):
-        done = run_to_completion(engine, GenerationRequest(f"d{i}", prompt, n))
+        done = run_to_completion(engine, GenerationRequest(f"d{i}", GenerationParams(prompt, n)))
         finish = done.finish
         if CLOCK[0] == "cpu":
             seconds = done.cpu_total_s - done.cpu_ttft_s
@@ -58,27 +59,26 @@ def decode_rate(engine: Engine, prompt: tuple[int, ...], n: int, repeats: int) -
     return statistics.median(rates), finish
 
 
-def chooser_costs(engine: Engine) -> dict[str, Any] | None:
+def picker_costs(engine: Engine) -> dict[str, Any] | None:
     """What the automatic depth weighed, in the calibration's plain steps: its round
     per depth, the median of the rounds it observed (where it follows them), and the
     engine's time between steps that it adds to each. ``observed_window``: each
     depth's timed rounds, oldest first (a median counts from MIN_OBSERVED of them)."""
-    chooser = engine.chooser
-    if chooser is None:
+    picker = engine.depth_picker
+    if picker is None:
         return None
-    plain = chooser.calibrated.plain
+    plain = picker.calibrated.plain
     return {
         "calibrated_plain_ms": plain * 1e3,
         "calibrated": {
-            k: chooser.calibrated.round(k) / plain for k in range(1, chooser.max_depth + 1)
+            k: picker.calibrated.round(k) / plain for k in range(1, picker.max_depth + 1)
         },
-        "observed": {k: t / plain for k, t in sorted(chooser.observed.items())},
+        "observed": {k: t / plain for k, t in sorted(picker.observed.items())},
         "observed_window": {
-            k: [round(t / plain, 3) for t in window]
-            for k, window in sorted(chooser.samples.items())
+            k: [round(t / plain, 3) for t in window] for k, window in sorted(picker.samples.items())
         },
-        "between_steps": chooser.overhead() / plain,
-        "follow_observed": chooser.follow_observed,
+        "between_steps": picker.overhead() / plain,
+        "follow_observed": picker.follow_observed,
     }
 
 
@@ -98,7 +98,7 @@ def warmed_engines(
         for depth in depths
     }
     for engine in engines.values():
-        run_one(engine, GenerationRequest("warm-up", prompt, tokens))
+        run_one(engine, GenerationRequest("warm-up", GenerationParams(prompt, tokens)))
         engine.forget_warm_up()
     return engines
 
@@ -169,7 +169,7 @@ def main() -> None:
             }
             for name in engines
         }
-        depths["auto"]["costs_in_plain_steps"] = chooser_costs(engines["auto"])
+        depths["auto"]["costs_in_plain_steps"] = picker_costs(engines["auto"])
         fixed = [depths[str(d)]["speedup_vs_depth0"] for d in DEPTHS if d != "auto"]
         auto = depths["auto"]["speedup_vs_depth0"]
         prompts.append(
@@ -192,8 +192,10 @@ def main() -> None:
 
     long_prompt = tuple(encode_prompt(tokenizer, PROMPT * 40, chat=True))
     engine = Engine(adapter_for(model, 0), EngineConfig(speculative_depth=0))
-    _, _, cold, _ = run_one(engine, GenerationRequest("cold", long_prompt, 1))
-    _, finish, warm, _ = run_one(engine, GenerationRequest("warm", long_prompt, 1))
+    _, _, cold, _ = run_one(engine, GenerationRequest("cold", GenerationParams(long_prompt, 1)))
+    _, finish, warm, _ = run_one(
+        engine, GenerationRequest("warm", GenerationParams(long_prompt, 1))
+    )
     result["ttft"] = {
         "prompt_tokens": len(long_prompt),
         "cold_s": cold,

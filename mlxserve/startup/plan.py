@@ -1,4 +1,20 @@
-"""From settings to a plan: discover the cluster, load rules, apply overrides."""
+"""From settings to a plan: read the inputs, join the cluster, agree, evaluate.
+
+Why this is not in `mlxserve.policy`: the policy evaluates rules over a cluster into a
+plan and does nothing else, so it can be read, tested and run anywhere (a simulated
+cluster, `policy explain`, a benchmark) without a group, a state directory or a model.
+Everything a real start needs around that evaluation is here:
+
+- the rule files and overrides, read and checked before MLX distributed is touched;
+- the calibration verdicts in the state directory, and under a launcher every rank's,
+  exchanged so that one rank's record covers its twins;
+- the incident memory, rank 0's on every rank (its front writes it);
+- the model's shape for the tensor-parallel split, from its config and headers;
+- the cluster itself (`mlxserve.cluster.discover`), and after evaluating, the check that
+  every rank computed the same plan.
+
+`mlxserve.cluster` only moves the bytes; what they mean is decided here.
+"""
 
 import json
 import os
@@ -7,16 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from mlxserve.cluster.discover import Membership, discover, launched_world_size
-from mlxserve.cluster.exchange import check_same_plan, gather_verdicts
+from mlxserve.cluster.exchange import all_gather_bytes, check_same_plan
 from mlxserve.config import Settings, state_dir
 from mlxserve.errors import UsageError
+from mlxserve.policy.calibration import Verdict, merge_verdicts
 from mlxserve.policy.calibration_store import load_verdicts
-from mlxserve.policy.engine import evaluate
+from mlxserve.policy.evaluate import evaluate
 from mlxserve.policy.overrides import collect_overrides
 from mlxserve.policy.plan import Plan
 from mlxserve.policy.rules import load_rules
 from mlxserve.policy.split import ModelShape, split_problem
 from mlxserve.reliability.incidents import IncidentRecord, IncidentStore
+
+CALIBRATION_BYTES = 16384
+"""The exchange buffer for one rank's calibration verdicts."""
 
 
 def build_plan(settings: Settings) -> tuple[Plan, Membership]:
@@ -30,7 +50,7 @@ def build_plan(settings: Settings) -> tuple[Plan, Membership]:
     if membership.group is None:
         incidents = IncidentStore(state_dir(settings.server)).load()
     else:
-        verdicts = gather_verdicts(membership.group, verdicts)
+        verdicts = _gather_verdicts(membership.group, verdicts)
         incidents = _rank_0s(membership.group, settings)
     plan = evaluate(
         membership.cluster,
@@ -50,7 +70,21 @@ def _model_shape(settings: Settings) -> ModelShape | None:
     """What the split policy weighs of the model (None: not a local DeepSeek-V4)."""
     from mlxserve.models.loader import model_shape
 
-    return model_shape(settings.model)
+    numbers = model_shape(settings.model)
+    return None if numbers is None else ModelShape(**numbers)
+
+
+def _gather_verdicts(group: Any, verdicts: list[Verdict]) -> list[Verdict]:
+    """Every rank's calibration verdicts, merged (`merge_verdicts`), on every rank."""
+    payload = json.dumps([v.model_dump(mode="json") for v in verdicts]).encode()
+    if len(payload) > CALIBRATION_BYTES:
+        raise UsageError(
+            f"this rank's calibration records take {len(payload)} bytes, over the "
+            f"{CALIBRATION_BYTES}-byte exchange buffer; remove old ones from the state directory"
+        )
+    records = all_gather_bytes(group, payload, CALIBRATION_BYTES)
+    per_rank = [json.loads(record or b"[]") for record in records]
+    return merge_verdicts([[Verdict.model_validate(item) for item in r] for r in per_rank])
 
 
 def _rank_0s(group: Any, settings: Settings) -> list[IncidentRecord]:

@@ -7,7 +7,7 @@ section), not built with the encoder's own helpers, so a drift in either shows.
 
 import pytest
 
-from mlxserve.models.deepseek_v4.encoding import Message, PromptError, ToolCall, encode
+from mlxserve.chat.deepseek_v4.encoding import Message, PromptError, ToolCall, encode
 
 B = "<｜begin▁of▁sentence｜>"
 E = "<｜end▁of▁sentence｜>"

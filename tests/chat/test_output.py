@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from mlxserve.models.deepseek_v4.dsml import DsmlParser
-from mlxserve.models.tool_calls import ParsedToolCall
-from mlxserve.server.chat_output import ChatOutput, Content, Piece, Reasoning
+from mlxserve.chat.deepseek_v4.dsml import DsmlParser
+from mlxserve.chat.output import ChatOutput, Content, Piece, Reasoning
+from mlxserve.chat.tool_calls import ParsedToolCall
 
 CALL = (
     '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'

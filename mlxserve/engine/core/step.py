@@ -1,7 +1,10 @@
-"""Step plans: what the model runs next, as a small record every rank can follow.
+"""A step: what the model runs next, as a small record every rank can follow.
 
-In tensor parallelism rank 0 decides and broadcasts the plan; the other ranks
-run the same forward. A plan is plain data with a JSON form (never pickle).
+The scheduler chooses each step (`Scheduler.next_step`), the runner runs it. It
+is called a step, not a plan: a plan is the policy's (`mlxserve.policy.plan.Plan`),
+the decisions an engine starts with; a step is one forward's worth of work.
+In tensor parallelism rank 0 chooses and broadcasts the step; the other ranks
+run the same forward. A step is plain data with a JSON form (never pickle).
 """
 
 import json
@@ -12,14 +15,14 @@ StepKind = Literal["prefill", "decode", "speculate"]
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class Step:
     index: int
     kind: StepKind
     request_ids: tuple[str, ...]
     # prefill: prompt tokens in this chunk; decode: 1; speculate: drafts to verify
     num_tokens: int
 
-    def same_step(self, other: "StepPlan") -> bool:
+    def same_step(self, other: "Step") -> bool:
         """The same step, but for the number of drafts of a speculative one (an
         automatic depth is chosen from one rank's timings; the others take it)."""
         if self.kind == other.kind == "speculate":
@@ -30,7 +33,7 @@ class StepPlan:
         return json.dumps(asdict(self), separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "StepPlan":
+    def from_json(cls, data: bytes) -> "Step":
         raw = json.loads(data)
         return cls(
             index=int(raw["index"]),

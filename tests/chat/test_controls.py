@@ -8,15 +8,14 @@ really opened the reasoning.
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
+from mlxserve.chat import ChatRequest, Function, Message, Refused, TemplateKwargs, build_prompt
 from mlxserve.models.demo.build import WEIGHTS_DIR
-from mlxserve.server.chat_prompt import build_chat_prompt
-from mlxserve.server.codec import Codec
-from mlxserve.server.errors import InvalidRequest
-from mlxserve.server.protocol import ChatCompletionRequest
+from mlxserve.server.tokenizer import FrontTokenizer
 
 TEMPLATE = (
     "{%- for m in messages -%}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{%- endfor -%}"
@@ -27,7 +26,7 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def thinking_codec(tmp_path_factory: pytest.TempPathFactory) -> Codec:
+def thinking_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> FrontTokenizer:
     directory: Path = tmp_path_factory.mktemp("thinking-template")
     tokenizer = Tokenizer.from_file(str(WEIGHTS_DIR / "tokenizer.json"))
     tokenizer.add_tokens(
@@ -38,35 +37,35 @@ def thinking_codec(tmp_path_factory: pytest.TempPathFactory) -> Codec:
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["chat_template"] = TEMPLATE
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return Codec.load(directory)
+    return FrontTokenizer.load(directory)
 
 
-def request(**fields: object) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate(
-        {"model": "m", "messages": [{"role": "user", "content": "Hi"}], **fields}
-    )
+def request(**fields: Any) -> ChatRequest:
+    return ChatRequest((Message("user", "Hi"),), **fields)
 
 
-def test_the_switch_reaches_the_template(thinking_codec: Codec) -> None:
-    assert thinking_codec.prompt_format == "template"
-    assert thinking_codec.think_markers == ("<think>", "</think>")
-    on = build_chat_prompt(request(thinking={"type": "enabled"}), thinking_codec, None)
+def test_the_switch_reaches_the_template(thinking_tokenizer: FrontTokenizer) -> None:
+    assert thinking_tokenizer.prompt_format == "template"
+    assert thinking_tokenizer.think_markers == ("<think>", "</think>")
+    on = build_prompt(request(thinking=True), thinking_tokenizer, None)
     assert on.text == "<|user|>Hi<|end|><|assistant|><think>"
     assert on.reasoning_end == "</think>"
-    off = build_chat_prompt(
-        request(chat_template_kwargs={"enable_thinking": False}), thinking_codec, True
+    off = build_prompt(
+        request(chat_template_kwargs=TemplateKwargs(enable_thinking=False)),
+        thinking_tokenizer,
+        True,
     )
     assert off.text == "<|user|>Hi<|end|><|assistant|>" and off.reasoning_end is None
-    default_off = build_chat_prompt(request(), thinking_codec, False)
+    default_off = build_prompt(request(), thinking_tokenizer, False)
     assert default_off.reasoning_end is None
-    assert on.ids == thinking_codec.text_ids(on.text)
+    assert on.ids == thinking_tokenizer.text_ids(on.text)
 
 
-def test_what_a_template_cannot_honour_is_refused(thinking_codec: Codec) -> None:
+def test_what_a_template_cannot_honour_is_refused(thinking_tokenizer: FrontTokenizer) -> None:
     for fields, param in [
         ({"reasoning_effort": "max"}, "reasoning_effort"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": (Function("f"),)}, "tools"),
     ]:
-        with pytest.raises(InvalidRequest) as caught:
-            build_chat_prompt(request(**fields), thinking_codec, None)
+        with pytest.raises(Refused) as caught:
+            build_prompt(request(**fields), thinking_tokenizer, None)
         assert caught.value.param == param

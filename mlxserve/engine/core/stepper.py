@@ -1,21 +1,21 @@
-"""The engine loop: the one thread that owns the model.
+"""The stepper: `Engine` holds the model and its requests and runs them one step at a time.
 
-Clients call `submit` and `cancel` from any thread; the loop picks them up at
-step boundaries, asks the scheduler for a step plan, runs it, and delivers
-tokens and finish events to each request's stream. `progress` counts finished
-steps, which is what the watchdog watches. Under tensor parallelism rank 0's
-engine has a `LockstepLeader` and the other ranks follow it
-(`mlxserve.engine.process.lockstep`).
+Clients call `submit` and `cancel` from any thread; `run_once`, on the one
+thread that owns the model, picks them up at step boundaries, asks the
+scheduler for a step, runs it, and delivers tokens and finish events to
+each request's stream. That thread is the engine process's `EngineLoop`
+(`mlxserve.engine.process.loop`), or a caller that steps the engine itself
+(`mlxserve.engine.core.drive`, tests). `progress` counts finished steps, which
+is what the watchdog watches. Under tensor parallelism rank 0's engine has a
+`LockstepLeader` and the other ranks follow it (`mlxserve.engine.process.lockstep`).
 """
 
-import dataclasses
 import logging
 import queue
 import secrets
-import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import mlx.core as mx
@@ -30,24 +30,25 @@ from mlxserve.engine.core.request import (
     TokensEvent,
     Usage,
 )
+from mlxserve.engine.core.request_state import Phase, RequestState
 from mlxserve.engine.core.scheduler import Scheduler
-from mlxserve.engine.core.sequence import Phase, Sequence
-from mlxserve.engine.core.step_plan import StepPlan
+from mlxserve.engine.core.step import Step
 from mlxserve.engine.core.step_times import StepTimes
 from mlxserve.engine.runner.adapter import ModelAdapter
 from mlxserve.engine.runner.runner import Runner
 from mlxserve.engine.sample.grammar import Grammars
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import KeyStream
-from mlxserve.engine.spec.depth import DepthChooser
+from mlxserve.engine.spec.depth import DepthPicker
 from mlxserve.hardware.clock import cost_clock, observed_times_comparable
+from mlxserve.hardware.tuning import EngineTuning, default_tuning
 
 if TYPE_CHECKING:
     from mlxserve.engine.process.lockstep import LockstepLeader
 
 log = logging.getLogger(__name__)
 
-StepHook = Callable[[StepPlan], None]
+StepHook = Callable[[Step], None]
 
 #: The depth of a seeded, sampled request when the engine's depth is automatic.
 SEEDED_DEPTH = 2
@@ -75,13 +76,16 @@ class EngineConfig:
     speculative_depth: int | Literal["auto"] = 0
     prefix_cache_entries: int = 16
     prefix_cache_bytes: int = 1 << 30
-    # Batched speculation: up to this many requests draft together, at this depth.
+    # Batched speculation: up to this many requests draft together, at this depth
+    # (serving: the tuning's, resolved by `mlxserve.engine.core.build.engine_config`).
     max_speculative_batch: int = 0
     batch_speculative_depth: int = 0
     # The least time any step is allowed (`StepTimes.floor_s`), not only a step on
     # new shapes: on CUDA 1.25 s, where any new shape compiles, in a step or between
     # steps, too many to track; 0 where nothing compiles (a CPU, Metal).
     step_floor_s: float = 0.0
+    # The knobs the adapter and the model run with; the engine tunes them with these.
+    tuning: EngineTuning = field(default_factory=default_tuning)
 
 
 class RequestStream:
@@ -124,6 +128,7 @@ class Engine:
         grammars: Grammars | None = None,
     ) -> None:
         self.adapter = adapter
+        adapter.tune(config.tuning)
         self.grammars = grammars
         self.lockstep = lockstep
         self._weights_bytes = _weights_bytes(adapter)
@@ -133,7 +138,7 @@ class Engine:
         self.depth = min(wanted, adapter.max_draft_depth)
         # Automatic depth: per request and round, from acceptance and measured costs.
         self.auto = auto and self.depth > 0
-        self.chooser: DepthChooser | None = None
+        self.depth_picker: DepthPicker | None = None
         cache = None
         if config.prefix_cache_entries > 0:
             cache = PrefixCache(adapter, config.prefix_cache_entries, config.prefix_cache_bytes)
@@ -152,11 +157,9 @@ class Engine:
         self._streams: dict[str, RequestStream] = {}
         # Follower ranks: the streams of the mirrored requests still running.
         self.mirrored: dict[str, RequestStream] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
         # Read by the watchdog from another thread: plain attributes, written only here.
         self.progress = 0
-        self.current_step: StepPlan | None = None
+        self.current_step: Step | None = None
         self.step_started_at = 0.0
         # Set while the engine warms up (`mlxserve.engine.process.warmup`), on a follower
         # while it runs rank 0's warm-up steps: the watchdog allows such steps longer.
@@ -177,15 +180,9 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._inbox.put(_Cancel(request_id))
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="mlxserve-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stopping.set()
+    def wake(self) -> None:
+        """Wake a `run_once(block=True)` that waits for work (its loop is stopping)."""
         self._inbox.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     @property
     def queue_depth(self) -> int:
@@ -195,24 +192,19 @@ class Engine:
     def running(self) -> int:
         return len(self.scheduler.running)
 
-    # -- the loop (engine thread) --------------------------------------------
-
-    def _loop(self) -> None:
-        while not self._stopping.is_set():
-            if not self.run_once(block=True):
-                continue
+    # -- the engine thread ---------------------------------------------------
 
     def run_once(self, block: bool = False) -> bool:
         """Take in new work and run at most one step; False when there was nothing to run."""
         if self.scheduler.idle:
             self._idle()  # before waiting for work: the next request starts a new period
         self._drain_inbox(block=block and self.scheduler.idle)
-        plan = self.scheduler.next_step()
-        if plan is None:
+        step = self.scheduler.next_step()
+        if step is None:
             self._idle()
             return False
         self._busy = True
-        self._run(plan)
+        self._run(step)
         return True
 
     def forget_warm_up(self) -> None:
@@ -225,8 +217,8 @@ class Engine:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.step_times.clear()
-        if self.chooser is not None:
-            self.chooser.forget_observations()
+        if self.depth_picker is not None:
+            self.depth_picker.forget_observations()
         self._busy = False
         self._serving_peak = 0
         mx.reset_peak_memory()
@@ -249,8 +241,8 @@ class Engine:
     def cancel_now(self, request_id: str) -> None:
         self._handle(_Cancel(request_id))
 
-    def run_plan(self, plan: StepPlan) -> None:
-        self._run(plan)
+    def run_step(self, step: Step) -> None:
+        self._run(step)
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -267,10 +259,9 @@ class Engine:
     def _handle(self, message: _Message) -> None:
         if isinstance(message, _Submit):
             request = message.request
-            if self.lockstep is not None and request.sampling.seed is None:
+            if self.lockstep is not None and request.params.sampling.seed is None:
                 # Every rank must draw the same samples: the seed travels with the request.
-                sampling = dataclasses.replace(request.sampling, seed=secrets.randbits(63))
-                request = dataclasses.replace(request, sampling=sampling)
+                request = request.with_seed(secrets.randbits(63))
             if self._admit(request, message.stream) and self.lockstep is not None:
                 self.lockstep.admitted(request)
         elif isinstance(message, _Cancel):
@@ -284,13 +275,13 @@ class Engine:
 
     def _admit(self, request: GenerationRequest, stream: RequestStream) -> bool:
         if request.request_id in self._streams:
-            usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=0)
+            usage = Usage(prompt_tokens=len(request.params.prompt_ids), completion_tokens=0)
             error = f"request id {request.request_id!r} is already in flight"
             stream.put(FinishEvent(request.request_id, "error", usage, None, error))
             return False
         auto = self.auto and request.speculative_depth is None
         depth = self.depth if request.speculative_depth is None else request.speculative_depth
-        if auto and request.sampling.seed is not None and not request.sampling.greedy:
+        if auto and request.params.sampling.seed is not None and not request.params.sampling.greedy:
             # The chosen depths follow timings, and the samples follow the depths: a
             # seed reproduces its completion only at a fixed depth.
             auto, depth = False, SEEDED_DEPTH
@@ -300,12 +291,12 @@ class Engine:
             try:
                 chooser = self._chooser(request)
             except ValueError as exc:
-                usage = Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=0)
+                usage = Usage(prompt_tokens=len(request.params.prompt_ids), completion_tokens=0)
                 stream.put(FinishEvent(request.request_id, "error", usage, None, str(exc)))
                 return False
-        sequence = Sequence(
+        sequence = RequestState(
             request=request,
-            keys=KeyStream(request.sampling.seed),
+            keys=KeyStream(request.params.sampling.seed),
             depth=depth,
             auto=auto,
             chooser=chooser,
@@ -318,13 +309,13 @@ class Engine:
 
     def _chooser(self, request: GenerationRequest) -> TokenChooser:
         grammar = None
-        if request.grammar is not None:
+        if request.params.grammar is not None:
             if self.grammars is None:
                 raise ValueError("this engine has no tokenizer for grammars")
-            grammar = self.grammars.compile(request.grammar)
-        return TokenChooser(request.sampling, grammar, request.grammar_prefix)
+            grammar = self.grammars.compile(request.params.grammar)
+        return TokenChooser(request.params.sampling, grammar, request.params.grammar_prefix)
 
-    def _calibrate(self) -> DepthChooser:
+    def _calibrate(self) -> DepthPicker:
         """Time the round's parts once, inside the first speculative step of a request
         with an automatic depth: under tensor parallelism every rank runs that step, so
         the calibration's forwards (and their collectives) line up on all ranks."""
@@ -337,26 +328,26 @@ class Engine:
             costs.plain * 1e3,
             {k: round(costs.round(k) * 1e3, 2) for k in range(1, self.depth + 1)},
         )
-        chooser = DepthChooser(
+        picker = DepthPicker(
             max_depth=self.depth, calibrated=costs, follow_observed=observed_times_comparable()
         )
-        self.runner.chooser = chooser
+        self.runner.depth_picker = picker
         self.runner.clock = clock
         self.runner.forget_last_step()
-        return chooser
+        return picker
 
     def _count_progress(self) -> None:
         """Work inside a long step (the depth calibration) that watchdogs count as progress."""
         self.progress += 1
 
-    def _depth_for(self, sequence: Sequence) -> int:
-        """Drafts for the sequence's next round: its fixed depth, or the chooser's pick
+    def _depth_for(self, sequence: RequestState) -> int:
+        """Drafts for the sequence's next round: its fixed depth, or the depth picker's pick
         (before the first calibration, `SEEDED_DEPTH`)."""
         if not sequence.auto:
             return sequence.depth
-        if self.chooser is None:
+        if self.depth_picker is None:
             return min(SEEDED_DEPTH, sequence.depth)
-        pick = self.chooser.pick(
+        pick = self.depth_picker.pick(
             sequence.stats, sequence.plain_streak, sequence.chosen_depth, probes=sequence.probes
         )
         if pick.chosen > 0:
@@ -366,27 +357,31 @@ class Engine:
         sequence.chosen_depth = pick.chosen
         return min(pick.depth, sequence.depth)
 
-    def _run(self, plan: StepPlan) -> None:
-        sequences = [s for rid in plan.request_ids if (s := self.scheduler.find(rid))]
-        self.current_step = plan
+    def _run(self, step: Step) -> None:
+        sequences = [s for rid in step.request_ids if (s := self.scheduler.find(rid))]
+        self.current_step = step
         self.step_started_at = time.monotonic()
         calibration_s = 0.0
         try:
             if self.lockstep is not None:
                 # Inside the step, so a follower that never answers is a stalled step
                 # for the watchdog, like a forward whose all_sum never completes.
-                self.lockstep.publish(plan, self.warming_up)
+                self.lockstep.publish(step, self.warming_up)
             if self.before_step is not None:
-                self.before_step(plan)
-            if self.chooser is None and plan.kind == "speculate" and any(s.auto for s in sequences):
+                self.before_step(step)
+            if (
+                self.depth_picker is None
+                and step.kind == "speculate"
+                and any(s.auto for s in sequences)
+            ):
                 began = time.monotonic()
                 try:
-                    self.chooser = self._calibrate()
+                    self.depth_picker = self._calibrate()
                 finally:  # a calibration that fails is not a step's time either
                     calibration_s = time.monotonic() - began
-            emitted = self.runner.run(plan, sequences)
+            emitted = self.runner.run(step, sequences)
         except Exception as exc:  # a failed step fails its requests, not the engine
-            log.exception("step %d (%s) failed", plan.index, plan.kind)
+            log.exception("step %d (%s) failed", step.index, step.kind)
             for sequence in sequences:
                 self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}")
             emitted = {}
@@ -395,7 +390,7 @@ class Engine:
             # takes ~100 plain steps (1 s on a CPU); as a speculative step's time it
             # made the p99 that and the front's hang limit (20 x p99) 20 s, not 3 s.
             seconds = time.monotonic() - self.step_started_at - calibration_s
-            self.step_times.record(plan, seconds)
+            self.step_times.record(step, seconds)
             self.current_step = None
             self.progress += 1
         for sequence in sequences:
@@ -411,8 +406,8 @@ class Engine:
             # the median, 0.09 ms with this).
             time.sleep(0)
 
-    def _emit(self, sequence: Sequence, tokens: list[int]) -> None:
-        stop_ids = sequence.request.stop_token_ids
+    def _emit(self, sequence: RequestState, tokens: list[int]) -> None:
+        stop_ids = sequence.request.params.stop_token_ids
         kept: list[int] = []
         reason: FinishReason | None = None
         for token in tokens:
@@ -420,7 +415,7 @@ class Engine:
                 reason = "stop"
                 break
             kept.append(token)
-            if len(sequence.generated) + len(kept) >= sequence.request.max_tokens:
+            if len(sequence.generated) + len(kept) >= sequence.request.params.max_tokens:
                 reason = "length"
                 break
         sequence.generated.extend(kept)
@@ -436,7 +431,9 @@ class Engine:
         if reason is not None:
             self._finish(sequence, reason)
 
-    def _finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(
+        self, sequence: RequestState, reason: FinishReason, error: str | None = None
+    ) -> None:
         if sequence.phase is Phase.FINISHED:
             return
         sequence.phase = Phase.FINISHED

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxserve.models.tool_calls import ParsedToolCall, Text, ToolCallParser, partial_suffix
+from mlxserve.chat.tool_calls import ParsedToolCall, Text, ToolCallParser, partial_suffix
 
 
 @dataclass(frozen=True)

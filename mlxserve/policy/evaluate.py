@@ -9,12 +9,16 @@ A speed rule (one that decides a value as ``fastest``) matches only a rank with 
 calibration of its chip and mlx version; its value and reason come from that
 calibration's verdict. Rule files keep it below every hazard rule, and overrides
 apply after it, so a measurement never outranks a hazard or the operator.
+
+Pure: the rules, overrides, verdicts, incident memory and model shape come in as data
+(``mlxserve.startup.plan`` reads and gathers them); evaluating reads no file and talks
+to no other rank, so every rank given the same inputs computes the same plan.
 """
 
 from collections.abc import Callable, Sequence
 
-from mlxserve.cluster.composition import Cluster
 from mlxserve.errors import UsageError
+from mlxserve.hardware.composition import Cluster
 from mlxserve.hardware.profile import RankProfile
 from mlxserve.policy.calibration import STOCK, Verdict, verdict_for
 from mlxserve.policy.conditions import conditions_hold

@@ -1,0 +1,59 @@
+"""A chat request through DeepSeek-V4's encoder, for ``deepseek_v4`` models without a template.
+
+The published checkpoints ship no chat template: the prompt is DeepSeek-V4's own
+format (`encoding`), with thinking on or off, ``reasoning_effort`` "high" / "max",
+``drop_thinking``, and tools, whose calls the answer writes in DSML (`dsml`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlxserve.chat.deepseek_v4 import encoding as dsv4
+from mlxserve.chat.deepseek_v4.dsml import DsmlParser
+from mlxserve.chat.prompt import ChatPrompt, Encode
+from mlxserve.chat.request import ChatRequest, Message, Refused
+
+
+def deepseek_v4_prompt(
+    body: ChatRequest, encode: Encode, thinking: bool, tools: list[dict[str, Any]]
+) -> ChatPrompt:
+    messages = [_dsv4_message(i, m) for i, m in enumerate(body.messages)]
+    kwargs = body.chat_template_kwargs
+    drop = kwargs is None or kwargs.drop_thinking is not False
+    try:
+        text = dsv4.encode(
+            messages,
+            thinking=thinking,
+            tools=tools,
+            reasoning_effort=body.reasoning_effort,
+            drop_thinking=drop,
+        )
+    except dsv4.PromptError as exc:
+        raise Refused(f"messages: {exc}", param="messages") from None
+    return ChatPrompt(
+        encode(text),
+        text,
+        reasoning_end=dsv4.THINK_END if thinking else None,
+        tool_parser=DsmlParser if tools else None,
+    )
+
+
+def _dsv4_message(index: int, message: Message) -> dsv4.Message:
+    calls = tuple(dsv4.ToolCall(call.name, call.arguments, call.id) for call in message.tool_calls)
+    if calls and message.role != "assistant":
+        raise Refused(
+            "only assistant messages carry tool_calls", param=f"messages.{index}.tool_calls"
+        )
+    if message.role == "tool" and message.tool_call_id is None:
+        raise Refused(
+            "a tool message needs the tool_call_id it answers",
+            param=f"messages.{index}.tool_call_id",
+        )
+    return dsv4.Message(
+        message.role,
+        message.content,
+        reasoning_content=message.reasoning_content if message.role == "assistant" else None,
+        tool_calls=calls,
+        tool_call_id=message.tool_call_id or "",
+    )
