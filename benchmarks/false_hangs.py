@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 from huge_prompts import Stream
-from serve import Server, free_port, mlxserve
+from servers import Server, free_port, mlxserve
 from soak import hold_unread_stream
 
 from mlxserve.hardware.probe import benchmark_device_apart

@@ -13,10 +13,12 @@ Measured in one run on the same machine:
   trained with ``tokenizers`` on this interpreter's own Python sources (stdlib and
   site-packages, up to 60 MB; about 40 s on 2 CPU cores, once: it is cached in the
   temp folder). Its answers are walks of a random model through the grammar
-  (random logits, the grammar's mask with its closing window, argmax): every token
-  pays ``TokenChooser.allowed`` (bitmask, unpacking, closers), the ``where`` and the
-  grammar's reading of the token. ``walk_mask_ms_demo_vocab`` is the same walk on the
-  demo's vocabulary, for comparison with ``mask_ms``.
+  (random logits, the grammar's mask with its closing reserve, argmax), all within
+  the reserve's horizon (`mlxserve.engine.sample.ending`): every token pays
+  ``TokenChooser.allowed`` (bitmask, unpacking, every 4th a closing path), the
+  ``where`` and the chooser's reading of the token; ``mask_mean_ms`` is the mean,
+  the closing paths' positions included. ``walk_mask_ms_demo_vocab`` is the same walk
+  on the demo's vocabulary, for comparison with ``mask_ms``.
 
 ``mask_over_step`` and ``large_vocab.mask_over_demo_step`` are the target ratio
 (<= 0.10 of a demo decode step on the CPU).
@@ -45,6 +47,7 @@ from mlxserve.engine.core.build import LoadedModel, adapter_for, grammars_for, m
 from mlxserve.engine.core.drive import run_to_completion
 from mlxserve.engine.core.request import GenerationRequest
 from mlxserve.engine.core.stepper import Engine, EngineConfig
+from mlxserve.engine.sample.ending import Ending
 from mlxserve.engine.sample.grammar import Grammars
 from mlxserve.engine.sample.logits import TokenChooser
 
@@ -185,27 +188,28 @@ def synthetic_tokenizer(vocab: int) -> tuple[Any, dict[str, float]]:
     return TokenizerWrapper(fast, eos_token_ids=[0]), info
 
 
-def walk_mask_ms(grammars: Grammars, grammar_text: str, tokens: int, walks: int) -> float:
-    """Median per-token mask cost over random-model walks through the grammar."""
+def walk_mask_ms(
+    grammars: Grammars, grammar_text: str, tokens: int, walks: int
+) -> tuple[float, float]:
+    """Median and mean per-token mask cost over random-model walks through the grammar."""
     vocab = grammars.vocab_size
     times = []
     for walk in range(walks):
-        chooser = TokenChooser(SamplingParams(), grammars.compile(grammar_text))
-        grammar = chooser.grammar
-        assert grammar is not None
+        ending = Ending(None, (0,), grammars.closing(), vocab)
+        chooser = TokenChooser(SamplingParams(), grammars.compile(grammar_text), (), ending)
         rows = mx.random.normal((8, vocab), key=mx.random.key(walk))
         mx.eval(rows)
         for step in range(tokens):
-            if grammar.finished:
+            if chooser.finished:
                 break
             started = time.perf_counter()
             allowed = chooser.allowed(tokens - step)
             assert allowed is not None
             token = mx.argmax(mx.where(allowed, rows[step % 8], -float("inf")))
             mx.eval(token)
-            grammar.accept(cast(int, token.item()))
+            chooser.read(cast(int, token.item()))
             times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
+    return statistics.median(times), statistics.fmean(times)
 
 
 def large_vocab(
@@ -214,15 +218,17 @@ def large_vocab(
     tokenizer, info = synthetic_tokenizer(vocab)
     started = time.perf_counter()
     grammars = Grammars(tokenizer, vocab)
-    grammars.compile(grammar_text)  # builds llguidance's tokenizer and the closers once
+    grammars.compile(grammar_text)  # builds llguidance's tokenizer once
+    grammars.closing()  # and the closing paths' table
     setup_s = time.perf_counter() - started
-    mask = walk_mask_ms(grammars, grammar_text, tokens, walks)
+    mask, mean = walk_mask_ms(grammars, grammar_text, tokens, walks)
     return {
         "vocab_size": vocab,
         "trained_tokens": len(tokenizer),
         **info,
         "grammars_setup_s": round(setup_s, 2),
         "mask_ms": round(mask, 4),
+        "mask_mean_ms": round(mean, 4),
         "mask_over_demo_step": round(mask / step_ms, 4),
         "target_mask_over_step": 0.10,
     }
@@ -260,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_answer": [len(a) for a in answers],
     }
     if args.large_vocab:
-        walk = walk_mask_ms(grammars_for(loaded), grammar_text, args.tokens, args.repeats)
+        walk, _ = walk_mask_ms(grammars_for(loaded), grammar_text, args.tokens, args.repeats)
         result["walk_mask_ms_demo_vocab"] = round(walk, 4)
         result["large_vocab"] = large_vocab(
             grammar_text, args.large_vocab, args.tokens, args.repeats, step

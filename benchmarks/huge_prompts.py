@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
-from serve import Server, free_port, mlxserve, percentile
+from servers import Server, free_port, mlxserve, percentile
 from soak import rss_mb
 
 from mlxserve.hardware.probe import benchmark_device_apart

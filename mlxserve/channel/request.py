@@ -75,6 +75,29 @@ class SamplingParams:
 
 @with_config(_RECORD)
 @dataclass(frozen=True)
+class Reasoning:
+    """The reasoning the prompt opened (thinking mode), as the engine bounds it.
+
+    ``end_ids``: the marker that ends the reasoning (``</think>``), as the model's
+    tokens; the engine recognises it by them in the answer. ``budget_tokens``: the
+    reasoning's most tokens, its end marker included: where only the marker still
+    fits, the engine forces it (`mlxserve.engine.sample.ending`), and the answer
+    follows. None: unbounded (the record then only tells a grammar's closing where the
+    reasoning ends).
+    """
+
+    end_ids: tuple[int, ...]
+    budget_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.end_ids:
+            raise ValueError("the reasoning's end marker must have at least one token")
+        if self.budget_tokens is not None and self.budget_tokens < 1:
+            raise ValueError("budget_tokens must be >= 1")
+
+
+@with_config(_RECORD)
+@dataclass(frozen=True)
 class GenerationParams:
     """One generation: the prompt, how much to generate, where to stop, how to sample,
     and the grammar the answer must follow."""
@@ -90,6 +113,10 @@ class GenerationParams:
     #: Tokens at the end of the prompt that are the answer so far (a resumed request):
     #: the grammar has read them and the penalties count them.
     grammar_prefix: tuple[int, ...] = ()
+    #: The reasoning the prompt opened, where its end matters: a thinking budget, or a
+    #: grammar that must close before ``max_tokens`` (None: no reasoning, or nothing
+    #: bounds it).
+    reasoning: Reasoning | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -8,13 +8,18 @@ honour, and a control a format cannot honour is refused by name rather than
 silently dropped (`Refused`):
 
 - DeepSeek-V4 encoder: thinking on or off (default on, or ``[chat] thinking``),
-  ``reasoning_effort`` "high" / "max", ``drop_thinking``, tools (DSML).
+  ``reasoning_effort`` (its levels low / high / max, each checkpoint's prompts:
+  `deepseek_v4.format`), ``drop_thinking``, tools (DSML).
 - A template whose vocabulary has ``<think>`` / ``</think>``: thinking on or off is
   passed to the template as ``enable_thinking``; no reasoning effort.
 - A template with a tool-call format mlx-lm knows (``TokenizerWrapper.tool_parser``):
   tools go to the template, calls and tool results in the history too, and the
   answer is read with mlx-lm's parser (`MarkedToolParser`).
 - Any other template, or the transcript: thinking can only be off; no tools.
+
+Everywhere ``reasoning_effort`` "none" is thinking off, and a reasoning the prompt
+opens may have a budget (``thinking.budget_tokens``, `ChatPrompt.reasoning_budget`:
+the engine forces its end marker there); a budget with thinking off is refused.
 
 ``tool_choice`` ``required`` or a named function becomes a grammar (the call syntax
 of the format, the arguments' schema: `call_grammar`) for the syntaxes mlxserve can
@@ -36,12 +41,15 @@ from mlxserve.chat.template import template_prompt
 def requested_thinking(body: ChatRequest) -> tuple[bool | None, str]:
     """The request's thinking switch (None: not asked) and the field that set it.
 
-    ``thinking.type`` and ``chat_template_kwargs.thinking`` / ``enable_thinking`` mean
-    the same; when they disagree the request is refused rather than one picked.
+    ``thinking.type``, ``chat_template_kwargs.thinking`` / ``enable_thinking`` and
+    ``reasoning_effort`` "none" (off) mean the same; when they disagree the request is
+    refused rather than one picked.
     """
     asked: list[tuple[bool, str]] = []
     if body.thinking is not None:
         asked.append((body.thinking, "thinking"))
+    if body.reasoning_effort == "none":
+        asked.append((False, "reasoning_effort"))
     kwargs = body.chat_template_kwargs
     if kwargs is not None:
         for key in ("thinking", "enable_thinking"):
@@ -63,6 +71,13 @@ def build_prompt(
     """The prompt of ``body`` in the model's format; `Refused` names what it cannot honour."""
     encode = tokenizer.text_ids if encode is None else encode
     thinking, thinking_field = requested_thinking(body)
+    if body.thinking_budget is not None and thinking is False:
+        raise Refused(
+            f"thinking.budget_tokens bounds the reasoning, and thinking is off ({thinking_field})",
+            param="thinking.budget_tokens",
+        )
+    if body.reasoning_effort == "none":  # thinking off, said by requested_thinking
+        body = replace(body, reasoning_effort=None)
     seen: set[str] = set()
     for i, tool in enumerate(body.tools):
         if tool.name in seen:  # a call could not say which one it meant
@@ -76,13 +91,20 @@ def build_prompt(
     style: ToolStyle | None
     if tokenizer.prompt_format == "deepseek_v4":
         on = thinking if thinking is not None else default_thinking is not False
-        prompt = deepseek_v4_prompt(body, encode, on, tools)
+        prompt = deepseek_v4_prompt(body, encode, on, tools, tokenizer.deepseek_release)
         style = "dsml"
     else:
         prompt = template_prompt(
             body, tokenizer, encode, thinking, thinking_field, default_thinking
         )
         style = "json_tools" if tokenizer.tool_parser_name == "json_tools" else None
+    if body.thinking_budget is not None:
+        if prompt.reasoning_end is None:
+            raise Refused(
+                "thinking.budget_tokens: this prompt opens no reasoning to bound (thinking is off)",
+                param="thinking.budget_tokens",
+            )
+        prompt = replace(prompt, reasoning_budget=body.thinking_budget)
     if forced is None:
         return prompt
     if style is None:

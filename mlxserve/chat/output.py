@@ -4,7 +4,10 @@ In thinking mode the prompt ends inside the reasoning (``<think>``): everything 
 to the model's ``</think>`` is ``reasoning_content``, the rest is the answer. The
 answer then goes through the model's tool-call parser, if the request has tools.
 Text that could still become a marker is held back, so no marker text ever reaches
-the client, and a marker split across tokens is recognised all the same.
+the client, and a marker split across tokens is recognised all the same. A forced
+call's answer (``tool_choice`` required or named) is its calls only: what of it does
+not parse as a call (cut short by a stop string, a lost backend) is dropped, not
+given back as content, and marks the answer `malformed`.
 """
 
 from __future__ import annotations
@@ -30,10 +33,17 @@ Piece = Reasoning | Content | ParsedToolCall
 class ChatOutput:
     """Push text deltas, get pieces; `finish` flushes what was held back."""
 
-    def __init__(self, *, reasoning_end: str | None, tools: ToolCallParser | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        reasoning_end: str | None,
+        tools: ToolCallParser | None = None,
+        forced: bool = False,
+    ) -> None:
         self._end = reasoning_end  # None: no reasoning part (chat mode)
         self._held = ""
         self._tools = tools
+        self._forced = forced  # the answer is calls only: its text is never content
         self.tool_calls: list[ParsedToolCall] = []
         self.malformed = False
 
@@ -80,7 +90,7 @@ class ChatOutput:
                 self.tool_calls.append(output)
                 pieces.append(output)
             else:
-                self.malformed |= output.malformed
-                if output.text:
+                self.malformed |= output.malformed or (self._forced and bool(output.text))
+                if output.text and not self._forced:
                     pieces.append(Content(output.text))
         return pieces

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from mlxserve.chat.call_grammar import ToolStyle
+from mlxserve.chat.deepseek_v4.encoding import DeepSeekRelease
 from mlxserve.chat.request import Function
 from mlxserve.chat.tool_calls import ToolCallParser
 
@@ -42,6 +43,8 @@ class ChatTokenizer(Protocol):
     def tool_markers(self) -> tuple[str, str, Any] | None: ...
     @property
     def tool_parser_name(self) -> str | None: ...
+    @property
+    def deepseek_release(self) -> DeepSeekRelease: ...
     def template_text(self, messages: list[dict[str, Any]], **kwargs: Any) -> str: ...
     def text_ids(self, text: str) -> list[int]: ...
 
@@ -63,6 +66,9 @@ class ChatPrompt:
     text: str
     #: The marker that ends the reasoning the prompt opened; None: no reasoning part.
     reasoning_end: str | None = None
+    #: The reasoning's most tokens, its end marker included (``thinking.budget_tokens``);
+    #: None: unbounded.
+    reasoning_budget: int | None = None
     #: A new parser for the answer's tool calls; None: the answer is all text.
     tool_parser: Callable[[], ToolCallParser] | None = None
     #: The calls tool_choice forces (required or named); None: the model chooses.

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+#: ``reasoning_effort``'s values: OpenAI's (``none`` turns thinking off), DeepSeek's
+#: ``max`` and ``ultra``. Each format says what it makes of them.
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra"]
 
 
 class Refused(ValueError):
@@ -43,6 +46,9 @@ class Message:
     reasoning_content: str | None = None
     tool_calls: tuple[Call, ...] = ()
     tool_call_id: str | None = None
+    #: The text parts as given (None: the content was a string). DeepSeek-V4's format
+    #: joins a tool result's parts with a blank line.
+    parts: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,11 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     #: ``response_format.type`` (None: no response_format).
     response_format: str | None = None
+    #: ``response_format.json_schema.schema`` (None: no JSON schema given).
+    response_schema: dict[str, Any] | None = None
     #: ``thinking.type``: True for "enabled", False for "disabled" (None: not given).
     thinking: bool | None = None
-    reasoning_effort: Literal["high", "max"] | None = None
+    #: ``thinking.budget_tokens``: the reasoning's most tokens, its end marker included.
+    thinking_budget: int | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: TemplateKwargs | None = None

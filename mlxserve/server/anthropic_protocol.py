@@ -99,11 +99,13 @@ class ToolChoice(_Strict):
 
 
 class ThinkingConfig(_Strict):
-    """``adaptive`` leaves the switch to the server's default ([chat] thinking)."""
+    """``adaptive`` leaves the switch to the server's default ([chat] thinking);
+    ``budget_tokens`` (``enabled`` only, as Anthropic's) bounds the reasoning: there the
+    engine forces its end and the answer follows."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(
-        None, ge=1, description="accepted; the reasoning is bounded by max_tokens only"
+        None, ge=1, description="the reasoning's most tokens, its end marker included"
     )
     display: str | None = Field(None, description="accepted; thinking is always shown")
 
@@ -114,11 +116,11 @@ class OutputFormat(_Strict):
 
 
 class OutputConfig(_Strict):
-    """``format``: the answer follows the JSON schema (a grammar); ``effort`` high or max
-    is DeepSeek-V4's reasoning effort."""
+    """``format``: the answer follows the JSON schema (a grammar); ``effort`` is the
+    reasoning effort (chat's ``reasoning_effort``: DeepSeek-V4's encoder has levels)."""
 
     format: OutputFormat | None = None
-    effort: Literal["high", "max"] | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class MessagesRequest(_Strict):
@@ -173,14 +175,22 @@ def to_chat(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest
             chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
         if choice.disable_parallel_tool_use:
             chat["parallel_tool_calls"] = False
-    if body.thinking is not None and body.thinking.type != "adaptive":
-        chat["thinking"] = {"type": body.thinking.type}
+    thinking = body.thinking
+    if thinking is not None and thinking.budget_tokens is not None and thinking.type != "enabled":
+        raise InvalidRequest(
+            f"thinking.budget_tokens goes with type 'enabled', not '{thinking.type}'",
+            param="thinking.budget_tokens",
+        )
+    if thinking is not None and thinking.type != "adaptive":
+        chat["thinking"] = {"type": thinking.type, "budget_tokens": thinking.budget_tokens}
     if isinstance(body, MessagesRequest) and body.output_config is not None:
         output = body.output_config
         if output.format is not None:
             chat["response_format"] = {
                 "type": "json_schema",
-                "json_schema": {"name": "output", "schema": output.format.schema_, "strict": True},
+                # Not OpenAI's strict subset (Anthropic takes optional properties): the
+                # grammar enforces the schema as it is.
+                "json_schema": {"name": "output", "schema": output.format.schema_},
             }
         if output.effort is not None:
             chat["reasoning_effort"] = output.effort

@@ -9,6 +9,7 @@ the tokenizer before the request is admitted.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from mlxserve.chat import (
     Call,
@@ -44,6 +45,9 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
                     for call in message.tool_calls or []
                 ),
                 tool_call_id=message.tool_call_id,
+                parts=None
+                if message.content is None or isinstance(message.content, str)
+                else tuple(part.text for part in message.content),
             )
             for message in body.messages
         ),
@@ -58,12 +62,21 @@ def chat_request(body: ChatCompletionRequest) -> ChatRequest:
         ),
         parallel_tool_calls=body.parallel_tool_calls is not False,
         response_format=None if body.response_format is None else body.response_format.type,
+        response_schema=_response_schema(body),
         thinking=None if body.thinking is None else body.thinking.type == "enabled",
+        thinking_budget=None if body.thinking is None else body.thinking.budget_tokens,
         reasoning_effort=body.reasoning_effort,
         chat_template_kwargs=None
         if kwargs is None
         else TemplateKwargs(kwargs.thinking, kwargs.enable_thinking, kwargs.drop_thinking),
     )
+
+
+def _response_schema(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    fmt = body.response_format
+    if fmt is None or fmt.type != "json_schema" or fmt.json_schema is None:
+        return None
+    return fmt.json_schema.schema_
 
 
 def chat_prompt(

@@ -11,11 +11,13 @@ the logits (`mlxserve.engine.sample.grammar`). Three sources:
 
 - ``response_format``: ``json_object`` is any JSON object, ``json_schema`` the
   given schema (always enforced, ``strict`` or not: a schema the answer may break
-  would be a schema silently ignored);
+  would be a schema silently ignored; ``strict: true`` also holds the schema to
+  OpenAI's strict subset, `mlxserve.server.strict_schema`);
 - ``tool_choice`` ``required`` or a named function: one call (or several, with
   ``parallel_tool_calls``) in the model's own call syntax, arguments valid under
   the function's parameter schema, and nothing after them (written by the chat
-  format, `mlxserve.chat.call_grammar`; checked here).
+  format, `mlxserve.chat.call_grammar`; checked here; a ``strict`` function's
+  schema held to OpenAI's strict subset, as above).
 
 JSON is compact (no free whitespace), so a small model cannot pad its answer with
 blank lines until it runs out of tokens.
@@ -32,6 +34,7 @@ from mlxserve.chat.prompt import ForcedTool
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.protocol import ResponseFormat
 from mlxserve.server.schema_values import infinite_only
+from mlxserve.server.strict_schema import refuse_unstrict
 from mlxserve.server.tokenizer import FrontTokenizer
 
 
@@ -97,6 +100,8 @@ def response_format_grammar(fmt: ResponseFormat | None, tokenizer: FrontTokenize
             "type 'json_schema' needs a json_schema", param="response_format.json_schema"
         )
     param = "response_format.json_schema.schema"
+    if fmt.json_schema.strict:
+        refuse_unstrict(fmt.json_schema.schema_, param)
     return checked(_json_grammar(fmt.json_schema.schema_, param), param, tokenizer)
 
 
@@ -109,6 +114,8 @@ def forced_tool_grammar(
     One check where all is well; a tool at a time only to name the culprit."""
     for param, tool in tools:
         schemas = [parameters_schema(tool)]
+        if tool.strict:
+            refuse_unstrict(schemas[0], param)
         if style == "dsml":  # each value's schema is embedded on its own (in DSML's grammar)
             values = schemas[0].get("properties") or {}
             schemas += [v for v in values.values() if isinstance(v, dict)]

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlxserve.channel.request import GenerationParams, SamplingParams, TokenLogprob
+from mlxserve.channel.request import GenerationParams, Reasoning, SamplingParams, TokenLogprob
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import (
     BackendRejected,
@@ -130,9 +130,14 @@ class Generations:
         limit_param: str = "max_tokens",
         prompt_param: str = "messages",
         continues_prompt: bool = False,
+        reasoning: Reasoning | None = None,
     ) -> Prepared:
         """Checked parameters of one generation: ``sampling`` as the API edge read it
-        from the body (`mlxserve.server.routes.common.sampling_of`), carried unchanged."""
+        from the body (`mlxserve.server.routes.common.sampling_of`), carried unchanged.
+
+        With a ``grammar``, a limit too small for any answer it allows (the reasoning's
+        end marker first, where ``reasoning`` says the prompt opened one) is a 400 naming
+        ``limit_param``: the engine could not finish the answer before it."""
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.checked_ids(prompt_ids, param="prompt")
@@ -153,14 +158,31 @@ class Generations:
                 param=limit_param,
             )
         self.checked_ids([token for token, _ in sampling.logit_bias], param="logit_bias")
+        if grammar is not None:
+            self._refuse_short(grammar, reasoning, max_tokens, limit_param)
         params = GenerationParams(
             prompt_ids=tuple(prompt_ids),
             max_tokens=max_tokens,
             sampling=sampling,
             stop_token_ids=() if ignore_eos else self.stop_token_ids(),
             grammar=grammar,
+            reasoning=reasoning,
         )
         return Prepared(uuid.uuid4().hex, params, stops, continues_prompt)
+
+    def _refuse_short(
+        self, grammar: str, reasoning: Reasoning | None, max_tokens: int, limit_param: str
+    ) -> None:
+        opening = list(reasoning.end_ids) if reasoning is not None else []
+        need = self.tokenizer.closing_tokens(grammar, opening)
+        if need is not None and max_tokens < need:
+            after = " (the reasoning's end marker included)" if opening else ""
+            raise InvalidRequest(
+                f"{limit_param} is {max_tokens}: the shortest answer the request's "
+                f"response_format or forced tool call allows takes {need} tokens{after}; "
+                f"ask for at least {need}",
+                param=limit_param,
+            )
 
     def again(self, prepared: Prepared, index: int) -> Prepared:
         """Choice ``index`` of an n-choice request: its own id and its own seed."""

@@ -22,6 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from mlxserve.chat.request import ReasoningEffort
 from mlxserve.server.errors import from_validation_error
 
 MAX_STOP_STRINGS = 16
@@ -198,9 +199,14 @@ class Tool(Echoing):
 
 
 class Thinking(_Strict):
-    """DeepSeek's API control: ``{"type": "enabled" | "disabled"}``."""
+    """DeepSeek's API control, ``{"type": "enabled" | "disabled"}``, and Anthropic's
+    ``budget_tokens``: the reasoning's most tokens, its end marker included (at the
+    budget the engine forces the marker and the answer follows)."""
 
     type: Literal["enabled", "disabled"]
+    budget_tokens: int | None = Field(
+        None, ge=1, description="the reasoning's most tokens (vendor extension, as Anthropic's)"
+    )
 
 
 class ChatTemplateKwargs(BaseModel):
@@ -252,7 +258,9 @@ class ChatCompletionRequest(GenerationBody):
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     thinking: Thinking | None = None
-    reasoning_effort: Literal["high", "max"] | None = None
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="'none': thinking off; the levels: DeepSeek-V4's encoder only"
+    )
     chat_template_kwargs: ChatTemplateKwargs | None = None
 
     @property

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mlxserve.chat.request import ReasoningEffort
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.protocol import (
     SEED_RANGE,
@@ -18,6 +19,7 @@ from mlxserve.server.protocol import (
     function_tool,
     translated_chat,
 )
+from mlxserve.server.strict_schema import refuse_unstrict
 
 
 class _Strict(BaseModel):
@@ -77,7 +79,9 @@ class FunctionTool(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = Field(None, description="arguments always follow the schema when forced")
+    strict: bool | None = Field(
+        None, description="true: OpenAI's strict schema rules; kept exactly where forced"
+    )
 
 
 class NamedFunctionChoice(_Strict):
@@ -96,6 +100,23 @@ class TextFormat(_Strict):
 class TextConfig(_Strict):
     format: TextFormat | None = None
     verbosity: Literal["medium"] | None = Field(None, description="only the default")
+
+
+class ReasoningConfig(_Strict):
+    """OpenAI's ``reasoning``: ``effort`` is chat's ``reasoning_effort`` ("none": thinking
+    off; the levels: DeepSeek-V4's encoder); ``budget_tokens``, a vendor extension (the
+    Responses API has no budget field), is chat's ``thinking.budget_tokens``."""
+
+    effort: ReasoningEffort | None = None
+    budget_tokens: int | None = Field(
+        None, ge=1, description="vendor extension: the reasoning's most tokens"
+    )
+    summary: Literal["auto", "concise", "detailed"] | None = Field(
+        None, description="accepted; no summary is written: the reasoning comes whole"
+    )
+    generate_summary: Literal["auto", "concise", "detailed"] | None = Field(
+        None, description="accepted (summary's old name); no summary is written"
+    )
 
 
 class ResponsesRequest(_Strict):
@@ -117,6 +138,7 @@ class ResponsesRequest(_Strict):
     service_tier: str | None = Field(None, description="accepted; changes nothing")
     truncation: Literal["disabled"] | None = Field(None, description="only 'disabled'")
     seed: int | None = Field(None, ge=-SEED_RANGE, lt=SEED_RANGE, description="vendor extension")
+    reasoning: ReasoningConfig | None = None
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -158,11 +180,9 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     if not messages:
         raise InvalidRequest("input: there is nothing to answer", param="input")
     chat: dict[str, Any] = {"model": body.model, "messages": messages}
-    if body.tools:
-        chat["tools"] = [
-            function_tool(tool.name, tool.description, tool.parameters) for tool in body.tools
-        ]
     choice = body.tool_choice
+    if body.tools:
+        chat["tools"] = [_function(i, tool, choice) for i, tool in enumerate(body.tools)]
     if isinstance(choice, NamedFunctionChoice):
         chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
     elif choice is not None:
@@ -175,11 +195,18 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         if fmt.type == "json_schema":
             if fmt.schema_ is None:
                 raise InvalidRequest("text.format: json_schema needs a schema", param="text.format")
+            if fmt.strict:
+                refuse_unstrict(fmt.schema_, "text.format.schema")
             chat["response_format"]["json_schema"] = {
                 "name": fmt.name or "output",
                 "schema": fmt.schema_,
                 "strict": fmt.strict,
             }
+    if body.reasoning is not None:
+        if body.reasoning.effort is not None:
+            chat["reasoning_effort"] = body.reasoning.effort
+        if body.reasoning.budget_tokens is not None:
+            chat["thinking"] = {"type": "enabled", "budget_tokens": body.reasoning.budget_tokens}
     for key, value in (
         ("max_tokens", body.max_output_tokens),
         ("temperature", body.temperature),
@@ -189,3 +216,20 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         if value is not None:
             chat[key] = value
     return translated_chat(chat)
+
+
+def _function(index: int, tool: FunctionTool, choice: Any) -> dict[str, Any]:
+    """A function as the chat request's tool. ``strict: true`` holds its schema to
+    OpenAI's strict subset (a 400 naming the part, as OpenAI answers) and keeps its
+    arguments to the schema exactly where ``tool_choice`` forces its call. Responses
+    clients send ``strict`` with every function (the ``openai`` SDK's type requires the
+    field, and true is the common value), so with ``auto`` it is accepted, where chat
+    refuses it; nothing keeps those calls."""
+    chat = function_tool(tool.name, tool.description, tool.parameters)
+    if tool.strict:
+        if tool.parameters:
+            refuse_unstrict(tool.parameters, f"tools.{index}.parameters")
+        named = isinstance(choice, NamedFunctionChoice) and choice.name == tool.name
+        if choice == "required" or named:
+            chat["function"]["strict"] = True
+    return chat

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
+from mlxserve.chat.deepseek_v4.encoding import DeepSeekRelease
 from mlxserve.chat.prompt import PromptFormat
 from mlxserve.chat.template import transcript
 from mlxserve.errors import UsageError
@@ -40,11 +41,19 @@ class Detokenizer(Protocol):
 
 
 class FrontTokenizer:
-    def __init__(self, tokenizer: Any, model_type: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_type: str | None = None,
+        deepseek_release: DeepSeekRelease = "v4",
+    ) -> None:
         self._tokenizer = tokenizer
         self.model_type = model_type
+        #: Which DeepSeek-V4 checkpoint's effort prompts the encoder writes (`_release`).
+        self.deepseek_release: DeepSeekRelease = deepseek_release
         self._long_text = threading.Lock()  # one long text tokenized at a time
         self._ll: Any = None  # llguidance's tokenizer, built on the first grammar
+        self._closing: Any = None  # its closing paths (`mlxserve.grammars.Closing`)
         self._ll_lock = threading.Lock()
 
     @classmethod
@@ -57,7 +66,13 @@ class FrontTokenizer:
             and not (model_dir / "tokenizer.json").is_file()
         ):
             raise UsageError(f"{model_dir}: no tokenizer files (tokenizer.json) in the model")
-        tokenizer = cls(load_tokenizer(model_dir), _model_type(model_dir))  # type: ignore[no-untyped-call]
+        config = _config(model_dir)
+        model_type = config.get("model_type")
+        tokenizer = cls(
+            load_tokenizer(model_dir),  # type: ignore[no-untyped-call]
+            model_type if isinstance(model_type, str) else None,
+            _release(model_dir, config),
+        )
         _ = tokenizer.bytes_per_token  # it reads the whole vocabulary: at load, not on a request
         return tokenizer
 
@@ -155,12 +170,40 @@ class FrontTokenizer:
         after a slot was taken, inside a step. Thread-safe (requests are prepared
         off the event loop); the first call builds llguidance's tokenizer, about a
         second for a large vocabulary."""
-        from mlxserve.grammars import ll_tokenizer, start_problem
+        from mlxserve.grammars import start_problem
+
+        return start_problem(self._ll_tokenizer(), grammar)
+
+    def closing_tokens(self, grammar: str, opening: list[int]) -> int | None:
+        """How many tokens the answer needs at the least, as the engine counts them: the
+        ``opening`` ones (a reasoning's end marker), then the engine's closing path from
+        there (`mlxserve.grammars.Closing.path`: the engine reserves it before
+        ``max_tokens``, so a ``max_tokens`` below it cannot be kept). None: no path is
+        known (the engine then reserves none)."""
+        from llguidance import LLMatcher
+
+        from mlxserve.grammars import Closing
+
+        tokenizer = self._ll_tokenizer()
+        with self._ll_lock:
+            if self._closing is None:
+                self._closing = Closing(tokenizer, self.vocab_size)
+            closing: Closing = self._closing
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        if opening and not matcher.consume_tokens(opening):
+            return None
+        path = closing.path(matcher)
+        return None if path is None else len(opening) + len(path)
+
+    def _ll_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer (built on the first grammar: about a
+        second for a large vocabulary, as the engine's is built)."""
+        from mlxserve.grammars import ll_tokenizer
 
         with self._ll_lock:
             if self._ll is None:
                 self._ll = ll_tokenizer(self._tokenizer, self.vocab_size)
-        return start_problem(self._ll, grammar)
+            return self._ll
 
     def text_ids(self, text: str) -> list[int]:
         """The text's token ids. Thread-safe; a long text (`LONG_TEXT_CHARS`) waits for
@@ -229,13 +272,25 @@ def _malloc_trim() -> Any:
         return None
 
 
-def _model_type(model_dir: Path) -> str | None:
+def _config(model_dir: Path) -> dict[str, Any]:
+    """The model's ``config.json`` ({} where there is none to read)."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    value = config.get("model_type") if isinstance(config, dict) else None
-    return value if isinstance(value, str) else None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _release(model_dir: Path, config: dict[str, Any]) -> DeepSeekRelease:
+    """``v4-0731`` for a DeepSeek-V4-Flash-0731 checkpoint, else ``v4``: its
+    ``config.json`` has the fields of its DSpark draft head (``dspark_block_size``...,
+    `mlxserve.models.deepseek_v4.dspark.has_dspark_head`), or its directory's name says
+    ``0731`` (a conversion that dropped the draft head, as ``...-Flash-0731-4bit``)."""
+    from mlxserve.models.deepseek_v4.dspark import has_dspark_head
+
+    if has_dspark_head(config) or "0731" in model_dir.resolve().name:
+        return "v4-0731"
+    return "v4"
 
 
 def model_directory(model: str, progress: bool = True) -> Path:

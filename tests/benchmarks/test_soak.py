@@ -55,7 +55,7 @@ def test_short_soak_loses_nothing(tmp_path: Path) -> None:
 def test_clients_and_a_paused_front_are_no_incident(tmp_path: Path) -> None:
     report = run_soak(
         tmp_path,
-        *("--minutes", "0.4", "--fault-every-s", "5", "--seed", "2", "--settle-s", "0"),
+        *("--minutes", "0.25", "--fault-every-s", "3.5", "--seed", "2", "--settle-s", "0"),
         *("--faults", "nonreader,huge_prompt,front_pause,slow_reader"),
     )
     kinds = {f["kind"] for f in report["faults"]}

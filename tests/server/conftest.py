@@ -1,5 +1,6 @@
 """Fixtures of the front's tests: the tokenizer, fake backends, an app around them."""
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -7,6 +8,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlxserve.config import Settings
+from mlxserve.models.demo.build import WEIGHTS_DIR
+from mlxserve.models.demo.deepseek_format import _write_tokenizer
 from mlxserve.server.app import create_app
 from mlxserve.server.runtime import Runtime
 from mlxserve.server.tokenizer import FrontTokenizer
@@ -19,6 +22,16 @@ DEMO_TOKENIZER = Path(__file__).resolve().parents[2] / "mlxserve" / "models" / "
 @pytest.fixture(scope="session")
 def tokenizer() -> FrontTokenizer:
     return FrontTokenizer.load(DEMO_TOKENIZER)
+
+
+@pytest.fixture(scope="session")
+def dsv4_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> FrontTokenizer:
+    """The demo's tokenizer dressed as DeepSeek-V4's (no template: the encoder's prompts,
+    ``</think>`` and DSML as text)."""
+    directory: Path = tmp_path_factory.mktemp("dsv4-tokenizer")
+    _write_tokenizer(WEIGHTS_DIR, directory)
+    (directory / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
+    return FrontTokenizer.load(directory)
 
 
 #: The Host name Starlette's TestClient sends, which the browser guard (no API key) must let in.

@@ -27,6 +27,11 @@ WEATHER = {
 }
 
 
+def prompt_of(usage: anthropic.types.Usage) -> int:
+    """The prompt's length: Anthropic's input_tokens leave out the cache's hits."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
 @pytest.fixture(scope="module")
 def client(live: LiveServer) -> Iterator[anthropic.Anthropic]:
     with anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0) as client:
@@ -62,7 +67,7 @@ def test_text_whole_streamed_and_stop_sequences(client: anthropic.Anthropic) -> 
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
     assert stop not in cut.content[0].text  # type: ignore[union-attr]
     count = client.messages.count_tokens(model=MODEL, messages=ASK, system="Be brief.")
-    assert count.input_tokens == whole.usage.input_tokens
+    assert count.input_tokens == prompt_of(whole.usage)
 
 
 def test_forced_tool_use_whole_streamed_and_its_result(client: anthropic.Anthropic) -> None:
@@ -103,7 +108,7 @@ def test_forced_tool_use_whole_streamed_and_its_result(client: anthropic.Anthrop
     )
     assert after.stop_reason in ("end_turn", "max_tokens", "tool_use")
     counted = client.messages.count_tokens(model=MODEL, messages=history, tools=[WEATHER])  # type: ignore[arg-type, list-item]
-    assert counted.input_tokens == after.usage.input_tokens
+    assert counted.input_tokens == prompt_of(after.usage)
 
 
 def test_errors_in_anthropic_shape(client: anthropic.Anthropic, live: LiveServer) -> None:
@@ -144,3 +149,29 @@ def test_output_config_format_is_enforced(client: anthropic.Anthropic) -> None:
     )
     value = json.loads(reply.content[0].text)  # type: ignore[union-attr]
     assert value["mood"] in ("good", "bad") and len(value["note"]) <= 20
+
+
+def test_usage_counts_a_cache_hit_once(client: anthropic.Anthropic) -> None:
+    """input_tokens exclude the prompt's cached tokens, as Anthropic's do; the cache
+    fields are numbers (0), never null, whole and streamed."""
+    words = " ".join(f"item{i}" for i in range(40))
+    asked: list[Any] = [{"role": "user", "content": f"List: {words}"}]
+    prompt = client.messages.count_tokens(model=MODEL, messages=asked).input_tokens
+    first = client.messages.create(model=MODEL, max_tokens=2, messages=asked)
+    again = client.messages.create(model=MODEL, max_tokens=2, messages=asked)
+    with client.messages.stream(model=MODEL, max_tokens=2, messages=asked) as stream:
+        events = list(stream)
+        streamed = stream.get_final_message().usage
+    [start] = [e.message.usage for e in events if e.type == "message_start"]
+    [end] = [e.usage for e in events if e.type == "message_delta"]
+    delta = (end.input_tokens, end.cache_read_input_tokens, end.cache_creation_input_tokens)
+    assert delta == (streamed.input_tokens, streamed.cache_read_input_tokens, 0)
+    for usage in (first.usage, again.usage, streamed):
+        assert usage.cache_creation_input_tokens == 0, usage
+        assert usage.cache_read_input_tokens is not None, usage
+        assert usage.input_tokens + usage.cache_read_input_tokens == prompt, usage
+    # The same prompt again is a prefix-cache hit: counted once, as read from the cache.
+    assert again.usage.cache_read_input_tokens and streamed.cache_read_input_tokens
+    # message_start is sent before the hits are known: the whole prompt, nothing read.
+    assert (start.input_tokens, start.cache_read_input_tokens) == (prompt, 0)
+    assert start.cache_creation_input_tokens == 0

@@ -46,7 +46,7 @@ def test_every_field_the_formats_read_arrives() -> None:
     assert chat_request(body) == ChatRequest(
         messages=(
             Message("system", "S", name="ops"),
-            Message("user", "ab"),
+            Message("user", "ab", parts=("a", "b")),
             Message(
                 "assistant", "", reasoning_content="R", tool_calls=(Call("c1", "f", '{"a": 1}'),)
             ),

@@ -10,7 +10,6 @@ the real engine is in ``test_deepseek_format_live.py``.
 
 import json
 from collections.abc import AsyncGenerator, Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -18,8 +17,6 @@ import pytest
 from starlette.testclient import TestClient
 
 from mlxserve.channel.request import GenerationParams
-from mlxserve.models.demo.build import WEIGHTS_DIR
-from mlxserve.models.demo.deepseek_format import _write_tokenizer
 from mlxserve.server.app import create_app
 from mlxserve.server.backends.base import BackendEvent, Finished, Tokens
 from mlxserve.server.tokenizer import FrontTokenizer
@@ -55,14 +52,6 @@ class ScriptedBackend(FakeBackend):
             yield Tokens((token,))
         reason = "length" if len(ids) == params.max_tokens else "stop"
         yield Finished(reason, len(params.prompt_ids), len(ids))
-
-
-@pytest.fixture(scope="module")
-def dsv4_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> FrontTokenizer:
-    directory: Path = tmp_path_factory.mktemp("dsv4-tokenizer")
-    _write_tokenizer(WEIGHTS_DIR, directory)
-    (directory / "config.json").write_text(json.dumps({"model_type": "deepseek_v4"}))
-    return FrontTokenizer.load(directory)
 
 
 @pytest.fixture

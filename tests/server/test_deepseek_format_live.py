@@ -120,7 +120,7 @@ def test_tokenize_gives_the_deepseek_prompt_and_its_exact_ids(
 def test_tokenize_errors_and_auth(server: LiveServer, http: httpx.Client, model_dir: Path) -> None:
     assert httpx.post(f"{server.url}/tokenize", json={}, timeout=10).status_code == 401
     cases = [
-        ({"messages": QUESTION, "reasoning_effort": "low"}, "reasoning_effort"),
+        ({"messages": QUESTION, "reasoning_effort": "extreme"}, "reasoning_effort"),
         ({"messages": QUESTION, "chat_template_kwargs": {"foo": 1}}, "chat_template_kwargs.foo"),
         (
             {
@@ -303,3 +303,32 @@ def test_forced_dsml_call_parses(client: openai.OpenAI, model_dir: Path) -> None
     arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
     assert isinstance(arguments["city"], str) and arguments["days"] in (1, 2, 3)
     assert response.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_thinking_budget_then_the_forced_call_or_json(
+    client: openai.OpenAI, model_dir: Path
+) -> None:
+    """The demo never closes its reasoning on its own: at the budget the engine writes
+    ``</think>``, and the answer's grammar follows, closed before max_tokens (a forced
+    call's 130-odd tokens of DSML in the demo's text tokens)."""
+    tokenizer = FrontTokenizer.load(model_dir)
+    budget = 12
+    thinking = {"thinking": {"type": "enabled", "budget_tokens": budget}}
+    ask: dict[str, Any] = {"model": model_name(model_dir), "messages": QUESTION}
+    forced = {"tools": [WEATHER], "tool_choice": "required", "max_tokens": 160}
+    response = client.chat.completions.create(**ask, **forced, temperature=0, extra_body=thinking)
+    choice = response.choices[0]
+    [call] = choice.message.tool_calls or []
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert isinstance(json.loads(call.function.arguments), dict)  # type: ignore[union-attr]
+    details = response.usage.completion_tokens_details  # type: ignore[union-attr]
+    assert details is not None and details.reasoning_tokens == budget
+    reasoning = choice.message.reasoning_content  # type: ignore[attr-defined]
+    assert len(tokenizer.text_ids(reasoning + "</think>")) <= budget + 1  # merges differ
+    json_object: dict[str, Any] = {"type": "json_object"}
+    reply = client.chat.completions.create(
+        **ask, response_format=json_object, max_tokens=24, seed=4, extra_body=thinking
+    )
+    assert isinstance(json.loads(reply.choices[0].message.content or ""), dict)
+    assert reply.choices[0].finish_reason == "stop"

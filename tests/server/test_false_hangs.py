@@ -20,7 +20,7 @@ from tests.server.live import MODEL, LiveServer
 
 pytestmark = pytest.mark.slow
 
-WRITE_TIMEOUT_S = 6.0
+WRITE_TIMEOUT_S = 3.0
 CONFIG = f"""
 model = "{MODEL}"
 [server]

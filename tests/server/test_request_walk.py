@@ -17,7 +17,7 @@ from typing import Any
 from starlette.testclient import TestClient
 
 from mlxserve.channel.messages import Generate, decode_front, encode
-from mlxserve.channel.request import GenerationParams, SamplingParams
+from mlxserve.channel.request import GenerationParams, Reasoning, SamplingParams
 from mlxserve.engine.core.request import GenerationRequest
 from mlxserve.engine.process.socket_end import to_request
 from mlxserve.server.app import create_app
@@ -49,9 +49,10 @@ PARAMS: dict[str, tuple[dict[str, Any], object]] = {
     "max_tokens": ({"max_tokens": 7}, 7),
     "stop_token_ids": ({"ignore_eos": True}, ()),
 }
-#: Not a completion's: the grammar comes with chat's response_format, and the grammar
-#: prefix with a resume (the router's, after a backend failed).
-ELSEWHERE = {"sampling", "grammar", "grammar_prefix"}
+#: Not a completion's: the grammar comes with chat's response_format, the grammar
+#: prefix with a resume (the router's, after a backend failed), the reasoning with a
+#: chat prompt that opens one.
+ELSEWHERE = {"sampling", "grammar", "grammar_prefix", "reasoning"}
 
 
 #: Every field a generation's record holds, its sampling's included.
@@ -147,3 +148,21 @@ def test_the_grammar_and_its_prefix_reach_the_sampler(tokenizer: FrontTokenizer)
         first, prompt_ids=first.prompt_ids + sent, max_tokens=2, grammar_prefix=sent
     )
     assert_reaches_the_sampler(resumed, tokenizer.vocab_size)
+
+
+def test_the_reasoning_reaches_the_sampler(dsv4_tokenizer: FrontTokenizer) -> None:
+    """A thinking budget, and a grammar after the reasoning: the reasoning's end marker
+    (as the tokenizer's ids) and its budget reach the sampler; a free answer without a
+    budget needs none."""
+    end = tuple(dsv4_tokenizer.text_ids("</think>"))
+    budget = {"type": "enabled", "budget_tokens": 9}
+    base, bounded, constrained = calls(
+        dsv4_tokenizer,
+        "/v1/chat/completions",
+        [CHAT, {**CHAT, "thinking": budget}, {**CHAT, "response_format": SCHEMA, "max_tokens": 8}],
+    )
+    assert base.reasoning is None and base.grammar is None
+    assert bounded == replace(base, reasoning=Reasoning(end, 9))
+    assert constrained.reasoning == Reasoning(end, None) and constrained.grammar is not None
+    for params in (bounded, constrained):
+        assert_reaches_the_sampler(params, dsv4_tokenizer.vocab_size)

@@ -112,7 +112,8 @@ def test_json_output_and_refusals(client: openai.OpenAI) -> None:
     assert isinstance(json.loads(reply.output_text), dict)
     for extra, param in [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"reasoning": {"effort": "low"}}, "reasoning"),
+        ({"reasoning": {"effort": "low"}}, "reasoning.effort"),  # the template has no levels
+        ({"reasoning": {"budget_tokens": 9}}, "reasoning.budget_tokens"),  # nor thinking
     ]:
         with pytest.raises(openai.BadRequestError) as caught:
             client.responses.create(model=MODEL, input="x", extra_body=extra)

@@ -144,6 +144,45 @@ def test_json_object_and_strict_schema(client: openai.OpenAI) -> None:
     assert isinstance(value["ok"], bool) and value["level"] in (1, 2, 3)
 
 
+def test_strict_is_openai_s(client: openai.OpenAI) -> None:
+    """strict: true takes OpenAI's strict schemas only (a 400 naming the part), and a
+    strict call's arguments follow its schema."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    response = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK,  # type: ignore[arg-type]
+        tools=[strict],  # type: ignore[list-item]
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=80,
+    )
+    [call] = response.choices[0].message.tool_calls or []
+    valid_weather(call.function.arguments)  # type: ignore[union-attr]
+    parameters = {**WEATHER["function"]["parameters"], "required": ["city"]}  # type: ignore[index]
+    optional = {"type": "function", "function": {**strict["function"], "parameters": parameters}}
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    strict_format = {"name": "reply", "schema": schema, "strict": True}
+    for extra, param in [
+        (
+            {"tools": [optional], "tool_choice": "required"},
+            "tools.0.function.parameters.properties.unit",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": strict_format}},
+            "response_format.json_schema.schema",
+        ),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(
+                model=MODEL,
+                messages=ASK,  # type: ignore[arg-type]
+                max_tokens=4,
+                extra_body=extra,
+            )
+        assert caught.value.body["param"] == param  # type: ignore[index]
+        assert "strict" in caught.value.body["message"]  # type: ignore[index]
+
+
 def test_logprobs_whole_and_streamed(client: openai.OpenAI) -> None:
     params: dict[str, Any] = {
         "model": MODEL,

@@ -1,7 +1,9 @@
 # ruff: noqa: RUF002
 """DeepSeek-V4's tool calls (DSML) read back from the model's streamed answer.
 
-The model writes its calls after its answer text::
+The model writes its calls after its answer text and a blank line::
+
+    Let me look.
 
     <｜DSML｜tool_calls>
     <｜DSML｜invoke name="get_weather">
@@ -10,11 +12,14 @@ The model writes its calls after its answer text::
     </｜DSML｜invoke>
     </｜DSML｜tool_calls>
 
-``string="true"`` values are raw text, ``string="false"`` values JSON. Text before
-the block streams as content at once, except what could be the start of the block
-marker or the blank line before it. A block is held until it closes: only then is
-it known to be well formed, so a client never receives a call that later turns out
-to be broken. A block that does not parse, or never closes, is given back as text.
+``string="true"`` values are raw text, ``string="false"`` values JSON, kept as the
+model wrote them: the arguments are the text the reference parser makes of them. Text
+before the block streams as content at once, except what could be the start of the
+block marker or the line break(s) before it, which go with the block (the content
+keeps any other whitespace it ends with). A block is held until it closes: only then
+is it known to be well formed, so a client never receives a call that later turns out
+to be broken. A block that does not parse, or never closes, is given back as text; an
+empty one is no call and no text. Whitespace after a block is dropped.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from mlxserve.chat.tool_calls import ParsedToolCall, Text, ToolOutput, partial_s
 
 _INVOKE_HEAD = re.compile(r'\s*name="([^"]+)">')
 _PARAMETER_HEAD = re.compile(r'\s*name="([^"]+)"\s+string="(true|false)">')
+#: What the text before a block may end with, held back until the next piece decides.
+_BLOCK_OPENINGS = ("\n\n" + TOOL_CALLS_START, "\n" + TOOL_CALLS_START, TOOL_CALLS_START)
 
 
 class MalformedDsml(ValueError):
@@ -42,7 +49,8 @@ class MalformedDsml(ValueError):
 
 
 def parse_block(body: str) -> list[ParsedToolCall]:
-    """The calls of one block's body (between the block markers); raises `MalformedDsml`."""
+    """The calls of one block's body (between the block markers, none in an empty one);
+    raises `MalformedDsml`."""
     calls: list[ParsedToolCall] = []
     rest = body
     while rest.strip():
@@ -76,18 +84,23 @@ def parse_block(body: str) -> list[ParsedToolCall]:
             rest = rest[end + len(PARAMETER_END) :]
         fragments.append("}" if fragments else "{}")
         calls.append(ParsedToolCall(name, tuple(fragments)))
-    if not calls:
-        raise MalformedDsml("a tool_calls block without a call")
     return calls
 
 
 def _value(raw: str, is_string: str) -> str:
+    """A parameter's value as JSON text: raw text quoted, a JSON value as written."""
     if is_string == "true":
         return to_json(raw)
     try:
-        return to_json(json.loads(raw))
+        json.loads(raw)
     except json.JSONDecodeError as exc:
         raise MalformedDsml(f"not JSON: {raw[:40]!r} ({exc})") from None
+    return raw
+
+
+def _line_breaks(text: str) -> str:
+    """The line breaks (a blank line at most) that end ``text``: they go with a block."""
+    return "\n\n" if text.endswith("\n\n") else "\n" if text.endswith("\n") else ""
 
 
 class DsmlParser:
@@ -96,7 +109,8 @@ class DsmlParser:
     def __init__(self) -> None:
         self._text = ""  # content not yet released
         self._block: str | None = None  # inside a block: what followed its start marker
-        self._gap = ""  # whitespace held before a block marker
+        self._gap = ""  # the line breaks before the open block
+        self._after_block = False  # whitespace that follows a block is dropped
         self.calls = 0
 
     def push(self, text: str) -> list[ToolOutput]:
@@ -107,14 +121,18 @@ class DsmlParser:
             self._text += text
         while True:
             if self._block is None:
+                if self._after_block:
+                    self._text = self._text.lstrip()
+                    if not self._text:
+                        return out
+                    self._after_block = False
                 start = self._text.find(TOOL_CALLS_START)
                 if start < 0:
                     break
                 before = self._text[:start]
-                stripped = before.rstrip()
-                if stripped:
-                    out.append(Text(stripped))
-                self._gap = before[len(stripped) :]
+                self._gap = _line_breaks(before)
+                if len(before) > len(self._gap):
+                    out.append(Text(before[: len(before) - len(self._gap)]))
                 self._block = self._text[start + len(TOOL_CALLS_START) :]
                 self._text = ""
             end = self._block.find(TOOL_CALLS_END)
@@ -123,12 +141,11 @@ class DsmlParser:
             body, after = self._block[:end], self._block[end + len(TOOL_CALLS_END) :]
             self._block = None
             out.extend(self._close(body))
-            self._text = after.lstrip() if self.calls else after
-        safe = len(self._text) - partial_suffix(self._text, TOOL_CALLS_START)
-        released = self._text[:safe].rstrip()
-        if released:
-            out.append(Text(released))
-        self._text = self._text[len(released) :]
+            self._text = after
+        held = max(partial_suffix(self._text, opening) for opening in _BLOCK_OPENINGS)
+        if len(self._text) > held:
+            out.append(Text(self._text[: len(self._text) - held]))
+            self._text = self._text[len(self._text) - held :]
         return out
 
     def _close(self, body: str) -> list[ToolOutput]:
@@ -139,6 +156,7 @@ class DsmlParser:
             self._gap = ""
             return [Text(raw, malformed=True)]
         self._gap = ""
+        self._after_block = True
         self.calls += len(calls)
         return list(calls)
 
@@ -147,7 +165,7 @@ class DsmlParser:
         if self._block is not None:  # never closed
             out.append(Text(self._gap + TOOL_CALLS_START + self._block, malformed=True))
             self._block, self._gap = None, ""
-        if self._text and not (self.calls and not self._text.strip()):
+        if self._text:
             out.append(Text(self._text))
         self._text = ""
         return out

@@ -4,24 +4,36 @@
 DeepSeek-V4 ships no chat template. Its prompt format is defined by the Python
 reference encoder in the model repository (``encoding/encoding_dsv4.py``); this module
 is our own implementation of that format, as pure functions, so the server can build
-prompts the model has seen rather than a generic transcript.
+prompts the model has seen rather than a generic transcript. The reference's own test
+cases, and more whose expected text the reference wrote, are held byte for byte in
+``tests/chat/deepseek_v4/test_reference.py``.
 
-The format, in short (the rules below follow the reference encoder):
+The format, in short:
 
-- ``<｜begin▁of▁sentence｜>``, then (thinking mode with reasoning effort "max" only)
-  a fixed directive, then the system text; consecutive system messages are joined
-  with a blank line, and the tool schemas (if any) follow as a "## Tools" section.
-- A user turn is ``<｜User｜>`` and its parts joined by a blank line; consecutive user
+- ``<｜begin▁of▁sentence｜>``, then (thinking mode, reasoning effort "max"; on -0731
+  "high" or "max") a fixed directive (`effort_prompt`), then the messages in order.
+- A system message is its text as it is: consecutive ones run together with nothing
+  between. The tool schemas (a "## Tools" section) and the answer's schema (a
+  "## Response Format" section) follow the text of the message that carries them,
+  each after a blank line.
+- A user turn is ``<｜User｜>`` and its parts joined by a blank line: consecutive user
   and tool messages fold into one turn, a tool result as ``<tool_result>…</tool_result>``
-  (V4 has no tool role). A developer message is a turn of its own, also after
-  ``<｜User｜>``.
-- After the last part of a user turn that an assistant turn follows (or that ends
-  the conversation): ``<｜Assistant｜>`` and ``<think>`` (thinking mode, where the
+  (V4 has no tool role; a result given as a list of parts has them joined by a blank
+  line). A developer message is a turn of its own, also after ``<｜User｜>``, and
+  carries tools and a schema as a system message does.
+- After a user or developer turn that an assistant turn follows (or that ends the
+  conversation): ``<｜Assistant｜>`` and ``<think>`` (thinking mode, where the
   reasoning is kept) or ``</think>``.
 - An assistant turn: its reasoning and ``</think>`` (when kept), its content, its
-  tool calls in DSML after a blank line, then ``<｜end▁of▁sentence｜>``.
-- The reasoning of turns before the last user message is dropped (``drop_thinking``),
-  unless tools are given: the model must see why it made its earlier calls.
+  tool calls in DSML after a blank line, then ``<｜end▁of▁sentence｜>``. A conversation
+  may end with one (a finished transcript, as ``/tokenize`` shows it).
+- The reasoning of turns before the last user message is dropped, and developer
+  messages before it with it (``drop_thinking``), unless tools are given: the model
+  must see why it made its earlier calls.
+- Two pieces of DeepSeek's own pipelines, kept so that the reference's cases all
+  encode: the ``latest_reminder`` role (``<｜latest_reminder｜>`` and its text: a date,
+  a place) and a user message's quick-instruction ``task``, whose marker ends the turn
+  in place of the assistant's opening (``action``: after it).
 """
 
 from __future__ import annotations
@@ -29,12 +41,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
+LATEST_REMINDER = "<｜latest_reminder｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -46,7 +59,7 @@ INVOKE_END = f"</{DSML}invoke>"
 PARAMETER_START = f"<{DSML}parameter"
 PARAMETER_END = f"</{DSML}parameter>"
 
-#: The directive that reasoning effort "max" puts before everything else.
+#: The directive that reasoning effort "max" puts before everything else (-0731: "high").
 REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem "
@@ -55,6 +68,17 @@ REASONING_EFFORT_MAX = (
     "Explicitly write out your entire deliberation process, documenting every intermediate "
     "step, considered alternative, and rejected hypothesis to ensure absolutely no "
     "assumption is left unchecked.\n\n"
+)
+#: -0731's directive for reasoning effort "max".
+REASONING_EFFORT_BEYOND_MAX = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: "
+    "exhaustively decompose the problem into its most fundamental components, trace every "
+    "causal chain to its root, and resolve the underlying cause rather than any surface "
+    "symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple "
+    "angles and are certain that no assumption remains unchecked and no error remains "
+    "undiscovered.\n\n"
 )
 
 _TOOLS_SECTION = """## Tools
@@ -89,9 +113,19 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 tool calls.
 """
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
-ReasoningEffort = Literal["high", "max"]
-REASONING_EFFORTS: tuple[ReasoningEffort, ...] = ("high", "max")
+_RESPONSE_FORMAT_SECTION = (
+    "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+)
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
+ReasoningEffort = Literal["low", "high", "max"]
+REASONING_EFFORTS: tuple[ReasoningEffort, ...] = ("low", "high", "max")
+#: The checkpoints whose effort prompts differ: V4 as first published, and -0731
+#: (`effort_prompt`).
+DeepSeekRelease = Literal["v4", "v4-0731"]
+Task = Literal["action", "query", "authority", "domain", "title", "read_url"]
+#: Each quick-instruction task's marker.
+TASKS: dict[str, str] = {task: f"<｜{task}｜>" for task in get_args(Task)}
 
 
 class PromptError(ValueError):
@@ -110,23 +144,36 @@ class ToolCall:
 @dataclass(frozen=True)
 class Message:
     role: Role
-    content: str = ""
+    #: The text; a tool result may come as parts (joined by a blank line).
+    content: str | tuple[str, ...] = ""
     reasoning_content: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
+    #: System or developer message: the function objects its text lists.
+    tools: tuple[Mapping[str, Any], ...] = ()
+    #: System or developer message: the JSON schema the answer must follow.
+    response_format: Mapping[str, Any] | None = None
+    #: User message: a quick-instruction task (its marker ends the turn).
+    task: Task | None = None
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n\n".join(self.content)
 
 
 @dataclass
 class _Turn:
-    """A message after folding: user turns hold their parts, system turns the tools."""
+    """A message after folding: user turns hold their parts (and results)."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Role  # never "tool": results fold into user turns
     text: str = ""
     parts: list[tuple[str, str]] = field(default_factory=list)  # (tool_call_id or "", text)
     is_result: list[bool] = field(default_factory=list)
+    task: Task | None = None
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tools: Sequence[Mapping[str, Any]] = ()
+    response_format: Mapping[str, Any] | None = None
 
 
 def to_json(value: Any) -> str:
@@ -175,41 +222,62 @@ def render_tool_calls(calls: Sequence[ToolCall]) -> str:
     return f"{TOOL_CALLS_START}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_END}"
 
 
-def _fold(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]]) -> list[_Turn]:
-    """Join system messages, fold user and tool messages into user turns, attach tools."""
+def _attach(
+    messages: Sequence[Message],
+    tools: Sequence[Mapping[str, Any]],
+    response_format: Mapping[str, Any] | None,
+) -> Sequence[Message]:
+    """The request's tools and schema on the message whose text shows them: a leading
+    system message, or a leading developer message when there are tools (as vLLM does,
+    the shape of the reference's own search case; without tools a developer message
+    before the last user turn is dropped in thinking mode, and the schema with it),
+    else a new system message in front."""
+    if not tools and not response_format:
+        return messages
+    first = messages[0]
+    if first.role == "system" or (first.role == "developer" and tools):
+        given = replace(
+            first,
+            tools=tuple(tools) or first.tools,
+            response_format=response_format or first.response_format,
+        )
+        return [given, *messages[1:]]
+    return [Message("system", tools=tuple(tools), response_format=response_format), *messages]
+
+
+def _fold(messages: Sequence[Message]) -> list[_Turn]:
+    """Fold user and tool messages into user turns; every other message is a turn."""
     turns: list[_Turn] = []
     for message in messages:
         last = turns[-1] if turns else None
-        if message.role == "system":
-            if last is not None and last.role == "system":
-                last.text += "\n\n" + message.content
-            else:
-                turns.append(_Turn("system", text=message.content))
-        elif message.role in ("user", "tool"):
-            part = (message.tool_call_id, message.content)
-            if last is None or last.role != "user":
-                last = _Turn("user")
+        if message.role in ("user", "tool"):
+            result = message.role == "tool"
+            # A turn with a task ends with its marker: a user message after it starts anew.
+            if last is None or last.role != "user" or (not result and last.task is not None):
+                last = _Turn("user", task=None if result else message.task)
                 turns.append(last)
-            last.parts.append(part)
-            last.is_result.append(message.role == "tool")
-        elif message.role == "developer":
-            if not message.content:
-                raise PromptError("a developer message needs content")
-            turns.append(_Turn("developer", text=message.content))
-        else:
+            last.parts.append((message.tool_call_id, message.text))
+            last.is_result.append(result)
+        elif message.role == "assistant":
             turns.append(
                 _Turn(
                     "assistant",
-                    text=message.content,
+                    text=message.text,
                     reasoning=message.reasoning_content,
                     tool_calls=message.tool_calls,
                 )
             )
-    if tools:
-        if turns and turns[0].role == "system":
-            turns[0].tools = tools
         else:
-            turns.insert(0, _Turn("system", tools=tools))
+            if message.role == "developer" and not message.text:
+                raise PromptError("a developer message needs content")
+            turns.append(
+                _Turn(
+                    message.role,
+                    text=message.text,
+                    tools=message.tools,
+                    response_format=message.response_format,
+                )
+            )
     _order_results(turns)
     return turns
 
@@ -237,7 +305,7 @@ def _drop_old_reasoning(turns: list[_Turn]) -> list[_Turn]:
     last = _last_user(turns)
     kept: list[_Turn] = []
     for i, turn in enumerate(turns):
-        if i >= last or turn.role in ("user", "system"):
+        if i >= last or turn.role in ("user", "system", "latest_reminder"):
             kept.append(turn)
         elif turn.role == "assistant":
             kept.append(replace(turn, reasoning=None))
@@ -245,11 +313,15 @@ def _drop_old_reasoning(turns: list[_Turn]) -> list[_Turn]:
 
 
 def _render(turn: _Turn, thinking: bool, keep_reasoning: bool) -> str:
-    if turn.role == "system":
+    if turn.role in ("system", "developer"):
         text = turn.text
-        return text + ("\n\n" + render_tools(turn.tools) if turn.tools else "")
-    if turn.role == "developer":
-        return USER + turn.text
+        if turn.tools:
+            text += "\n\n" + render_tools(turn.tools)
+        if turn.response_format:
+            text += "\n\n" + _RESPONSE_FORMAT_SECTION + to_json(dict(turn.response_format))
+        return text if turn.role == "system" else USER + text
+    if turn.role == "latest_reminder":
+        return LATEST_REMINDER + turn.text
     if turn.role == "user":
         parts = [
             f"<tool_result>{text}</tool_result>" if result else text
@@ -261,33 +333,68 @@ def _render(turn: _Turn, thinking: bool, keep_reasoning: bool) -> str:
     return reasoning + turn.text + calls + EOS
 
 
+def _opening(turn: _Turn, thinking: bool, opens: bool) -> str:
+    """What ends a turn the assistant answers: its task's marker, or the assistant's
+    opening (``<think>`` where ``opens``)."""
+    if turn.task == "action":
+        return ASSISTANT + (THINK_START if thinking else THINK_END) + TASKS[turn.task]
+    if turn.task is not None:
+        return TASKS[turn.task]
+    if turn.role in ("user", "developer"):
+        return ASSISTANT + (THINK_START if opens else THINK_END)
+    return ""
+
+
+def effort_prompt(effort: ReasoningEffort | None, release: DeepSeekRelease = "v4") -> str:
+    """The directive a reasoning effort puts before everything else (thinking mode).
+
+    V4 has one: "max"'s ("Absolute maximum"); "low", "high" and unset have none.
+    -0731 moved it down to "high", and "max" has a stronger one ("Beyond maximum");
+    "low" and unset have none (as vLLM's -0731 encoding tests assert).
+    """
+    if release == "v4-0731":
+        return {"high": REASONING_EFFORT_MAX, "max": REASONING_EFFORT_BEYOND_MAX}.get(
+            effort or "", ""
+        )
+    return REASONING_EFFORT_MAX if effort == "max" else ""
+
+
 def encode(
     messages: Sequence[Message],
     *,
     thinking: bool,
     tools: Sequence[Mapping[str, Any]] = (),
+    response_format: Mapping[str, Any] | None = None,
     reasoning_effort: ReasoningEffort | None = None,
     drop_thinking: bool = True,
+    release: DeepSeekRelease = "v4",
 ) -> str:
-    """The prompt text for the assistant's next turn (``BOS`` included).
+    """The prompt text for the assistant's next turn (``BOS`` included), or the whole
+    transcript when the conversation ends with an assistant message.
 
-    ``tools`` are OpenAI function objects (``name``, ``description``, ``parameters``).
-    ``reasoning_effort`` matters in thinking mode only; "high" renders like unset.
+    ``tools`` are OpenAI function objects (``name``, ``description``, ``parameters``)
+    and ``response_format`` a JSON schema, the request's: they go on a leading system
+    message (`_attach`). ``reasoning_effort`` matters in thinking mode only, its
+    directive per checkpoint (``release``, `effort_prompt`).
     """
-    if not messages or messages[-1].role not in ("user", "developer", "tool"):
-        raise PromptError("the conversation must end with a user, developer or tool message")
-    turns = _fold(messages, tools)
-    drop = drop_thinking and not tools
+    if not messages or messages[-1].role not in ("user", "developer", "tool", "assistant"):
+        raise PromptError(
+            "the conversation must end with a user, developer, tool or assistant message"
+        )
+    messages = _attach(messages, tools, response_format)
+    turns = _fold(messages)
+    drop = drop_thinking and not any(message.tools for message in messages)
     if thinking and drop:
         turns = _drop_old_reasoning(turns)
     last_user = _last_user(turns)
     prompt = BOS
-    if thinking and reasoning_effort == "max":
-        prompt += REASONING_EFFORT_MAX
+    if thinking:
+        prompt += effort_prompt(reasoning_effort, release)
     for i, turn in enumerate(turns):
-        prompt += _render(turn, thinking, keep_reasoning=not drop or i > last_user)
+        after_task = i > 0 and turns[i - 1].task is not None  # a task's answer: no reasoning
+        keep = (not drop or i > last_user) and not after_task
+        prompt += _render(turn, thinking, keep_reasoning=keep)
         following = turns[i + 1].role if i + 1 < len(turns) else None
-        if turn.role in ("user", "developer") and following in (None, "assistant"):
-            opens = thinking and (not drop or i >= last_user)
-            prompt += ASSISTANT + (THINK_START if opens else THINK_END)
+        if following in (None, "assistant", "latest_reminder"):
+            prompt += _opening(turn, thinking, opens=thinking and (not drop or i >= last_user))
     return prompt

@@ -1,8 +1,9 @@
 """A chat request through DeepSeek-V4's encoder, for ``deepseek_v4`` models without a template.
 
 The published checkpoints ship no chat template: the prompt is DeepSeek-V4's own
-format (`encoding`), with thinking on or off, ``reasoning_effort`` "high" / "max",
-``drop_thinking``, and tools, whose calls the answer writes in DSML (`dsml`).
+format (`encoding`), with thinking on or off, ``reasoning_effort`` (`EFFORT_LEVELS`),
+``drop_thinking``, tools, whose calls the answer writes in DSML (`dsml`), and a
+``json_schema`` response format's schema, which the prompt shows as the reference does.
 """
 
 from __future__ import annotations
@@ -12,12 +13,31 @@ from typing import Any
 from mlxserve.chat.deepseek_v4 import encoding as dsv4
 from mlxserve.chat.deepseek_v4.dsml import DsmlParser
 from mlxserve.chat.prompt import ChatPrompt, Encode
-from mlxserve.chat.request import ChatRequest, Message, Refused
+from mlxserve.chat.request import ChatRequest, Message, ReasoningEffort, Refused
+
+#: The model's effort level each ``reasoning_effort`` asks for, as DeepSeek's API maps
+#: them (its thinking-mode guide): OpenAI's levels and DeepSeek's ``ultra`` fold into
+#: low / high / max, whose prompts depend on the checkpoint (`encoding.effort_prompt`).
+EFFORT_LEVELS: dict[ReasoningEffort, dsv4.ReasoningEffort] = {
+    "minimal": "low",
+    "low": "low",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "high",
+    "max": "max",
+    "ultra": "max",
+}
 
 
 def deepseek_v4_prompt(
-    body: ChatRequest, encode: Encode, thinking: bool, tools: list[dict[str, Any]]
+    body: ChatRequest,
+    encode: Encode,
+    thinking: bool,
+    tools: list[dict[str, Any]],
+    release: dsv4.DeepSeekRelease = "v4",
 ) -> ChatPrompt:
+    """``body`` through the encoder (``reasoning_effort`` "none" is thinking off, which
+    the caller has decided: here it is no level)."""
     messages = [_dsv4_message(i, m) for i, m in enumerate(body.messages)]
     kwargs = body.chat_template_kwargs
     drop = kwargs is None or kwargs.drop_thinking is not False
@@ -26,8 +46,10 @@ def deepseek_v4_prompt(
             messages,
             thinking=thinking,
             tools=tools,
-            reasoning_effort=body.reasoning_effort,
+            response_format=body.response_schema,
+            reasoning_effort=EFFORT_LEVELS.get(body.reasoning_effort or "none"),
             drop_thinking=drop,
+            release=release,
         )
     except dsv4.PromptError as exc:
         raise Refused(f"messages: {exc}", param="messages") from None
@@ -50,9 +72,10 @@ def _dsv4_message(index: int, message: Message) -> dsv4.Message:
             "a tool message needs the tool_call_id it answers",
             param=f"messages.{index}.tool_call_id",
         )
+    tool_result_parts = message.parts if message.role == "tool" else None
     return dsv4.Message(
         message.role,
-        message.content,
+        message.content if tool_result_parts is None else tool_result_parts,
         reasoning_content=message.reasoning_content if message.role == "assistant" else None,
         tool_calls=calls,
         tool_call_id=message.tool_call_id or "",

@@ -43,10 +43,12 @@ class GenerationRequest:
 
     @property
     def needs_chooser(self) -> bool:
-        """Chosen by a `TokenChooser` (`engine.logits`): a grammar, a penalty, a filter
-        other than top_p, or logprobs, which need each token known before the next one's
-        logits are turned into a choice."""
-        return self.params.grammar is not None or not self.params.sampling.plain
+        """Chosen by a `TokenChooser` (`engine.logits`): a grammar, a thinking budget, a
+        penalty, a filter other than top_p, or logprobs, which need each token known
+        before the next one's logits are turned into a choice."""
+        params = self.params
+        budget = params.reasoning is not None and params.reasoning.budget_tokens is not None
+        return params.grammar is not None or budget or not params.sampling.plain
 
 
 @dataclass

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlxserve.engine.core.request import FinishReason, GenerationRequest, SpeculativeStats
 from mlxserve.engine.runner.adapter import ModelState
 from mlxserve.engine.sample.logits import TokenChooser
-from mlxserve.engine.sample.sampling import KeyStream
+from mlxserve.engine.sample.sampling import Draws, KeyStream
 
 
 class Phase(Enum):
@@ -71,3 +71,14 @@ class RequestState:
     @property
     def budget(self) -> int:
         return self.request.params.max_tokens - len(self.generated)
+
+    def key(self, ahead: int = 0) -> mx.array:
+        """The random key of the token ``ahead`` positions past those produced so far
+        (``transcript``; 1: past a pending one): a token's key is its position's,
+        whatever step draws it (`mlxserve.engine.sample.sampling`)."""
+        return self.keys.key(len(self.transcript) + ahead)
+
+    def draws(self, ahead: int = 0) -> Draws:
+        """The keys of the positions from ``ahead`` past those produced so far on (a
+        speculative round's)."""
+        return self.keys.at(len(self.transcript) + ahead)

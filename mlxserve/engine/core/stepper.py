@@ -34,8 +34,9 @@ from mlxserve.engine.core.request_state import Phase, RequestState
 from mlxserve.engine.core.scheduler import Scheduler
 from mlxserve.engine.core.step import Step
 from mlxserve.engine.core.step_times import StepTimes
-from mlxserve.engine.runner.adapter import ModelAdapter
+from mlxserve.engine.runner.adapter import ModelAdapter, SupportsSpeculation
 from mlxserve.engine.runner.runner import Runner
+from mlxserve.engine.sample.ending import Ending
 from mlxserve.engine.sample.grammar import Grammars
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import KeyStream
@@ -50,8 +51,8 @@ log = logging.getLogger(__name__)
 
 StepHook = Callable[[Step], None]
 
-#: The depth of a seeded, sampled request when the engine's depth is automatic.
-SEEDED_DEPTH = 2
+#: The depth of a request with an automatic depth until the depth picker is calibrated.
+FIRST_DEPTH = 2
 
 
 @dataclass(frozen=True)
@@ -279,12 +280,10 @@ class Engine:
             error = f"request id {request.request_id!r} is already in flight"
             stream.put(FinishEvent(request.request_id, "error", usage, None, error))
             return False
+        # A seeded request may take any depth: its tokens are its depth-0 ones (coupled
+        # draws, `mlxserve.engine.sample.sampling`), so timings do not change them.
         auto = self.auto and request.speculative_depth is None
         depth = self.depth if request.speculative_depth is None else request.speculative_depth
-        if auto and request.params.sampling.seed is not None and not request.params.sampling.greedy:
-            # The chosen depths follow timings, and the samples follow the depths: a
-            # seed reproduces its completion only at a fixed depth.
-            auto, depth = False, SEEDED_DEPTH
         depth = max(0, min(depth, self.adapter.max_draft_depth))
         chooser = None
         if request.needs_chooser:
@@ -308,21 +307,26 @@ class Engine:
         return True
 
     def _chooser(self, request: GenerationRequest) -> TokenChooser:
-        grammar = None
-        if request.params.grammar is not None:
+        params = request.params
+        grammar = ending = None
+        if params.grammar is not None or params.reasoning is not None:
             if self.grammars is None:
                 raise ValueError("this engine has no tokenizer for grammars")
-            grammar = self.grammars.compile(request.params.grammar)
-        return TokenChooser(request.params.sampling, grammar, request.params.grammar_prefix)
+            if params.grammar is not None:
+                grammar = self.grammars.compile(params.grammar)
+            closing = self.grammars.closing() if grammar is not None else None
+            vocab = self.grammars.vocab_size
+            ending = Ending(params.reasoning, params.stop_token_ids, closing, vocab)
+        return TokenChooser(params.sampling, grammar, params.grammar_prefix, ending)
 
     def _calibrate(self) -> DepthPicker:
         """Time the round's parts once, inside the first speculative step of a request
         with an automatic depth: under tensor parallelism every rank runs that step, so
         the calibration's forwards (and their collectives) line up on all ranks."""
-        measure = getattr(self.adapter, "measure_costs", None)
-        assert measure is not None, "an automatic depth needs an adapter with measure_costs"
+        adapter = self.adapter
+        assert isinstance(adapter, SupportsSpeculation), "an automatic depth needs a drafter"
         clock = cost_clock()
-        costs = measure(tick=self._count_progress, clock=clock)
+        costs = adapter.measure_costs(tick=self._count_progress, clock=clock)
         log.info(
             "speculative round costs (ms): plain step %.2f, rounds %s",
             costs.plain * 1e3,
@@ -342,11 +346,11 @@ class Engine:
 
     def _depth_for(self, sequence: RequestState) -> int:
         """Drafts for the sequence's next round: its fixed depth, or the depth picker's pick
-        (before the first calibration, `SEEDED_DEPTH`)."""
+        (before the first calibration, `FIRST_DEPTH`)."""
         if not sequence.auto:
             return sequence.depth
         if self.depth_picker is None:
-            return min(SEEDED_DEPTH, sequence.depth)
+            return min(FIRST_DEPTH, sequence.depth)
         pick = self.depth_picker.pick(
             sequence.stats, sequence.plain_streak, sequence.chosen_depth, probes=sequence.probes
         )
@@ -393,6 +397,10 @@ class Engine:
             self.step_times.record(step, seconds)
             self.current_step = None
             self.progress += 1
+        for sequence in sequences:  # a request whose own token choice failed fails alone
+            error = self.runner.failed.get(sequence.request_id)
+            if error is not None:
+                self._finish(sequence, "error", error=error)
         for sequence in sequences:
             tokens = emitted.get(sequence.request_id)
             if tokens and sequence.phase is not Phase.FINISHED:
@@ -420,8 +428,9 @@ class Engine:
                 break
         sequence.generated.extend(kept)
         chooser = sequence.chooser
-        if chooser is not None and chooser.grammar is not None and chooser.grammar.finished:
-            reason = reason or "stop"  # the grammar is complete: nothing may follow
+        if chooser is not None and chooser.finished and len(kept) == len(tokens):
+            # The grammar is complete (on the budget's last token too): nothing may follow.
+            reason = "stop"
         if kept:
             logprobs = chooser.take_logprobs(len(tokens)) if chooser is not None else None
             if logprobs is not None:

@@ -5,8 +5,11 @@ and DeepSeek-V4 with its MTP drafter (`mlxserve.engine.spec.mtp`), and
 keeps model-specific cache handling out of the scheduler.
 """
 
+from __future__ import annotations
+
 import copy
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
@@ -14,6 +17,12 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxserve.hardware.tuning import EngineTuning, default_tuning, tune_model
 from mlxserve.kernels.buffers import own_buffers
+
+if TYPE_CHECKING:
+    from mlxserve.channel.request import SamplingParams
+    from mlxserve.engine.sample.logits import TokenChooser
+    from mlxserve.engine.sample.sampling import Draws
+    from mlxserve.engine.spec.costs import RoundCosts
 
 
 class ModelState(Protocol):
@@ -89,6 +98,38 @@ def _compacted(cache: Any) -> Any:
 
 #: positions a plain KV cache grows by past its reservation (mlx-lm grows by 256)
 GROWTH_STEP = 64
+
+
+@runtime_checkable
+class SupportsReserve(Protocol):
+    """An adapter that allocates a prompt's caches once, for the whole prompt."""
+
+    def reserve(self, state: ModelState, positions: int) -> None: ...
+
+
+@runtime_checkable
+class SupportsSpeculation(Protocol):
+    """An adapter with a drafter: a draft + verify round, plainly and under a
+    `TokenChooser`, and the costs the automatic depth starts from. Each round returns
+    (tokens to emit, drafted, accepted)."""
+
+    def speculate(
+        self, state: Any, last_token: int, depth: int, params: SamplingParams, draws: Draws
+    ) -> tuple[list[int], int, int]: ...
+
+    def speculate_chosen(
+        self,
+        state: Any,
+        last_token: int,
+        depth: int,
+        chooser: TokenChooser,
+        draws: Draws,
+        remaining: int,
+    ) -> tuple[list[int], int, int]: ...
+
+    def measure_costs(
+        self, tick: Callable[[], None] = ..., clock: Callable[[], float] = ...
+    ) -> RoundCosts: ...
 
 
 class PlainState:

@@ -31,7 +31,7 @@ from mlxserve.engine.runner.adapter import ModelAdapter, ModelState, PlainAdapte
 from mlxserve.engine.runner.ring_cache import RingBatch, ring_capable
 from mlxserve.engine.sample.acceptance import greedy_accept, rejection_accept
 from mlxserve.engine.sample.logits import TokenChooser
-from mlxserve.engine.sample.sampling import KeyStream, probabilities, sample
+from mlxserve.engine.sample.sampling import Draws, probabilities, sample
 from mlxserve.engine.spec.draft_choice import ChosenRound
 from mlxserve.engine.spec.mtp import MTPAdapter, trim_exactly, verify_streams
 
@@ -332,11 +332,12 @@ class MTPRowBatch(RowBatch):
         last: list[int],
         depth: int,
         params: list[SamplingParams],
-        keys: list[KeyStream],
+        keys: list[Draws],
         choosers: list[TokenChooser | None] | None = None,
         budgets: list[int] | None = None,
-    ) -> list[list[int]]:
-        """One draft + verify round for every row at once; the tokens each row emits.
+    ) -> list[list[int] | Exception]:
+        """One draft + verify round for every row at once; the tokens each row emits
+        (``keys``: the keys of each row's positions, from its first draft's on).
 
         ``last`` holds each row's last emitted token, not yet in its caches. The MTP
         block drafts ``depth`` tokens for all rows together (one forward per level),
@@ -347,7 +348,9 @@ class MTPRowBatch(RowBatch):
         row. The same round as ``MTPAdapter.speculate``, row by row.
 
         A row with a `TokenChooser` (``choosers``, with its ``budgets``) drafts and
-        verifies under its transforms (`mlxserve.engine.spec.draft_choice`).
+        verifies under its transforms (`mlxserve.engine.spec.draft_choice`); where its
+        own work fails (its grammar...), its entry is the exception and the other rows
+        go on (its caches are rolled back as if it kept no draft).
         """
         rounds = [
             ChosenRound(chooser, budget) if chooser is not None else None
@@ -381,7 +384,8 @@ class MTPRowBatch(RowBatch):
         emitted = self._accept(
             draft_ids, draft_logits, main_logits, main_streams, params, keys, rounds
         )
-        self._rollback(depth, used, emitted, main_streams, verify)
+        kept = [tokens if isinstance(tokens, list) else [0] for tokens in emitted]
+        self._rollback(depth, used, kept, main_streams, verify)
         return emitted
 
     def _accept(
@@ -391,22 +395,33 @@ class MTPRowBatch(RowBatch):
         main_logits: mx.array,
         main_streams: mx.array,
         params: list[SamplingParams],
-        keys: list[KeyStream],
+        keys: list[Draws],
         rounds: list[ChosenRound | None],
-    ) -> list[list[int]]:
+    ) -> list[list[int] | Exception]:
         """One host read for the whole batch (plus one or two per sampled or chosen row)."""
         targets = mx.argmax(main_logits, axis=-1)
+        # A seeded sampled row's targets: its positions' draws (coupled, as plain steps).
+        drawn = {
+            row: keys[row].pick(mx.log(probabilities(main_logits[row], sampling)))
+            for row, sampling in enumerate(params)
+            if not sampling.greedy and keys[row].coupled and rounds[row] is None
+        }
+        if drawn:
+            targets = mx.stack([drawn.get(row, targets[row]) for row in range(len(params))])
         mx.eval(draft_ids, targets, main_streams)
         drafted = _int_rows(draft_ids)
         argmaxes = _int_rows(targets)
-        out: list[list[int]] = []
+        out: list[list[int] | Exception] = []
         for row, sampling in enumerate(params):
             row_drafts = drafted[row]
             chosen = rounds[row]
             if chosen is not None:
-                out.append(chosen.verify(main_logits[row], keys[row]))
+                try:
+                    out.append(chosen.verify(main_logits[row], keys[row]))
+                except Exception as exc:  # the row's own work: the others go on
+                    out.append(exc)
                 continue
-            if sampling.greedy:
+            if sampling.greedy or keys[row].coupled:
                 out.append(greedy_accept(row_drafts, argmaxes[row]))
                 continue
             q = probabilities(mx.stack([logits[row] for logits in draft_logits]), sampling)
@@ -467,30 +482,22 @@ def _int_rows(values: mx.array) -> list[list[int]]:
     return [[int(v) for v in row] for row in rows]  # type: ignore[union-attr, arg-type]
 
 
-def _sample_rows(logits: mx.array, params: list[SamplingParams], keys: list[KeyStream]) -> mx.array:
-    """One token per row of ``logits`` [B, V], each with its request's sampling."""
-    if all(p.greedy for p in params):
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
-    return mx.stack(
-        [sample(logits[i], p, k.next()) for i, (p, k) in enumerate(zip(params, keys, strict=True))]
-    ).astype(mx.int32)
-
-
 def _draft_rows(
     level: int,
     logits: mx.array,
     params: list[SamplingParams],
-    keys: list[KeyStream],
+    keys: list[Draws],
     rounds: list[ChosenRound | None],
 ) -> mx.array:
-    """`_sample_rows`, where a row with a chooser drafts under its transforms."""
-    if not any(rounds):
-        return _sample_rows(logits, params, keys)
+    """Draft ``level`` of every row from ``logits`` [B, V], each with its request's
+    sampling and its position's key; a row with a chooser under its transforms."""
+    if all(p.greedy for p in params) and not any(rounds):
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
     return mx.stack(
         [
-            chosen.propose(level, logits[i], p, k.next())
+            chosen.propose(level, logits[i], p, k.key(level))
             if chosen is not None
-            else sample(logits[i], p, k.next()).astype(mx.int32)
+            else sample(logits[i], p, k.key(level)).astype(mx.int32)
             for i, (p, k, chosen) in enumerate(zip(params, keys, rounds, strict=True))
         ]
     )

@@ -12,11 +12,16 @@ A request with a `TokenChooser` (grammar, penalties, logprobs...) decodes in the
 same batches and rounds: its row chooses from the batch's logits once the
 forward is done (a host read, so a batch holding such a row is not pipelined),
 and its speculative rounds verify under its transforms (`engine.draft_choice`).
+Where that choice fails (its grammar...), the request fails alone (``failed``):
+the other rows of the step go on.
+
+Every token is drawn with its position's key (`RequestState.key`), so which step
+draws it (alone, batched, pipelined or in a round) does not change it.
 """
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -24,8 +29,13 @@ import mlx.core as mx
 from mlxserve.engine.core.prefix_cache import PrefixCache
 from mlxserve.engine.core.request_state import Phase, RequestState
 from mlxserve.engine.core.step import Step
-from mlxserve.engine.runner.adapter import ModelAdapter, ModelState
-from mlxserve.engine.runner.batch import DecodeBatch, can_join, new_batch
+from mlxserve.engine.runner.adapter import (
+    ModelAdapter,
+    ModelState,
+    SupportsReserve,
+    SupportsSpeculation,
+)
+from mlxserve.engine.runner.batch import DecodeBatch, MTPRowBatch, can_join, new_batch
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import sample, token_id
 from mlxserve.engine.spec.depth import DepthPicker
@@ -62,9 +72,14 @@ class Runner:
         # time until their next step starts is the engine's own, which the depth picker
         # adds to every step's cost (`DepthPicker.overhead`).
         self._last_step: tuple[tuple[str, ...], float] | None = None
+        #: The requests whose own token choice failed in the last step, with the error:
+        #: they emit nothing from it, and the engine finishes them with that error.
+        self.failed: dict[str, str] = {}
 
     def run(self, step: Step, sequences: list[RequestState]) -> dict[str, list[int]]:
-        """Execute `step`; returns the tokens each request emits in this step."""
+        """Execute `step`; returns the tokens each request emits in this step (not
+        those in ``failed``)."""
+        self.failed = {}
         stepping = step.kind != "prefill"
         # Taken, not read: a step that fails leaves no start for the next gap.
         last, self._last_step = self._last_step, None
@@ -83,6 +98,8 @@ class Runner:
             elif step.kind == "speculate" and len(sequences) == 1:
                 emitted[sequence.request_id] = self._speculate(sequence, step.num_tokens)
         for sequence in sequences:
+            if sequence.request_id in self.failed:
+                emitted.pop(sequence.request_id, None)
             sequence.transcript.extend(emitted.get(sequence.request_id, ()))
         if stepping and self.depth_picker is not None:  # only an automatic depth reads it
             self._last_step = (tuple(step.request_ids), self.clock())
@@ -110,10 +127,9 @@ class Runner:
         else:
             margin = max(sequence.depth, sequence.rollback)
             sequence.state = self.adapter.new_state(max_rollback=margin)
-        reserve = getattr(self.adapter, "reserve", None)
-        if reserve is not None:
+        if isinstance(self.adapter, SupportsReserve):
             # The prompt's caches are allocated once, for the whole prompt.
-            reserve(sequence.state, len(sequence.prompt))
+            self.adapter.reserve(sequence.state, len(sequence.prompt))
 
     def settle(self) -> None:
         """Take finished (or cancelled) requests out of their batches, between steps.
@@ -171,7 +187,7 @@ class Runner:
         params = sequence.request.params.sampling
         first: int | None = None
         if sequence.pending is None:
-            sequence.pending = sample(self._first_logits(sequence), params, sequence.keys.next())
+            sequence.pending = sample(self._first_logits(sequence), params, sequence.key())
             # Read at once: on a CPU `async_eval` computes the whole graph before it
             # returns, so queuing the next forward first would hold the first token
             # back by a step (TTFT). That forward is built below but left lazy.
@@ -184,7 +200,7 @@ class Runner:
         current = sequence.pending
         if sequence.budget > 1:
             logits = self.adapter.step(sequence.state, current.reshape(1))
-            sequence.pending = sample(logits, params, sequence.keys.next())
+            sequence.pending = sample(logits, params, sequence.key(1))
             if first is None:
                 mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
         else:
@@ -198,7 +214,16 @@ class Runner:
         else:
             assert sequence.state is not None
             logits = self.adapter.step(sequence.state, mx.array(sequence.transcript[-1:]))
-        return [chooser.choose(logits, sequence.keys.next(), sequence.budget)]
+        try:
+            return [chooser.choose(logits, sequence.key(), sequence.budget)]
+        except Exception as exc:
+            self._fail(sequence, exc)
+            return []
+
+    def _fail(self, sequence: RequestState, exc: Exception) -> None:
+        """The request's own token choice failed: it alone fails (``failed``)."""
+        log.error("request %s failed", sequence.request_id, exc_info=exc)
+        self.failed[sequence.request_id] = f"{type(exc).__name__}: {exc}"
 
     def _decode_all(self, sequences: list[RequestState]) -> dict[str, list[int]]:
         """Requests in steady decoding join a batch and every batch takes one step."""
@@ -281,7 +306,9 @@ class Runner:
             inputs = batch.tokens
         logits = batch.state.step(inputs)
         chosen = self._choose_rows(rows, logits)
-        following = self._sample(rows, logits, chosen).astype(mx.int32)
+        # A row emitting its input now draws the token after it.
+        ahead = [int(emits is None or emits[i]) for i in range(len(rows))]
+        following = self._sample(rows, logits, ahead, chosen).astype(mx.int32)
         mx.async_eval(following)  # type: ignore[no-untyped-call]
         values = inputs.tolist()
         assert isinstance(values, list)
@@ -295,24 +322,35 @@ class Runner:
                 sequence.stats.count_step(0)
         batch.tokens = following
 
-    @staticmethod
-    def _choose_rows(rows: list[RequestState], logits: mx.array) -> dict[int, int]:
+    def _choose_rows(self, rows: list[RequestState], logits: mx.array) -> dict[int, int]:
         """The rows with a `TokenChooser` choose from the batch's logits [B, V], in row
         order, each with its own key and budget, as alone. This reads the logits back
         (the grammar and the penalties need each token as a number), so the step whose
         batch holds such a row is not pipelined: its forward finishes before the next
-        one is queued."""
-        return {
-            index: sequence.chooser.choose(logits[index], sequence.keys.next(), sequence.budget)
-            for index, sequence in enumerate(rows)
-            if sequence.chooser is not None
-        }
+        one is queued. A row whose choice fails fails alone (its stand-in token 0 is
+        fed to no later step: it leaves the batch before)."""
+        choosing = [(i, s, s.chooser) for i, s in enumerate(rows) if s.chooser is not None]
+        if not choosing:
+            return {}
+        mx.eval(logits)  # the forward's failure is the step's, not a row's
+        chosen: dict[int, int] = {}
+        for index, sequence, chooser in choosing:
+            try:
+                chosen[index] = chooser.choose(logits[index], sequence.key(), sequence.budget)
+            except Exception as exc:
+                self._fail(sequence, exc)
+                chosen[index] = 0
+        return chosen
 
     @staticmethod
     def _sample(
-        rows: list[RequestState], logits: mx.array, chosen: dict[int, int] | None = None
+        rows: list[RequestState],
+        logits: mx.array,
+        ahead: Sequence[int],
+        chosen: dict[int, int] | None = None,
     ) -> mx.array:
-        """Each row's next token, lazily: sampled, or the one its chooser took."""
+        """Each row's next token, lazily: sampled (with the key of its position
+        ``ahead`` of those it produced), or the one its chooser took."""
         chosen = chosen or {}
         if all(s.request.params.sampling.greedy for i, s in enumerate(rows) if i not in chosen):
             tokens = mx.argmax(logits, axis=-1)
@@ -325,7 +363,7 @@ class Runner:
             [
                 mx.array(chosen[i], dtype=mx.uint32)
                 if i in chosen
-                else sample(logits[i], s.request.params.sampling, s.keys.next())
+                else sample(logits[i], s.request.params.sampling, s.key(ahead[i]))
                 for i, s in enumerate(rows)
             ]
         )
@@ -389,7 +427,7 @@ class Runner:
             ):
                 emitted[sequence.request_id] = self._speculate(sequence, depth)
         for batch in [b for b in self.batches if any(s.request_id in named for s in b.rows)]:
-            drafter = getattr(batch.state, "speculate", None)
+            drafter = batch.state.speculate if isinstance(batch.state, MTPRowBatch) else None
             rows = batch.rows
             self._materialize(batch)
             # A row arriving from plain batched decoding emits its sampled token now.
@@ -405,7 +443,7 @@ class Runner:
                 continue
             last = [(head[s.request_id] or s.generated)[-1] for s in rows]
             params = [s.request.params.sampling for s in rows]
-            keys = [s.keys for s in rows]
+            keys = [s.draws(len(head[s.request_id])) for s in rows]
             if any(s.chooser is not None for s in rows):
                 choosers = [s.chooser for s in rows]
                 budgets = [s.budget - len(head[s.request_id]) for s in rows]
@@ -413,6 +451,9 @@ class Runner:
             else:
                 tokens = drafter(last, round_depth, params, keys)
             for sequence, row_tokens in zip(rows, tokens, strict=True):
+                if isinstance(row_tokens, Exception):
+                    self._fail(sequence, row_tokens)
+                    continue
                 sequence.stats.record(round_depth, len(row_tokens) - 1)
                 emitted[sequence.request_id] = [*head[sequence.request_id], *row_tokens]
         return emitted
@@ -425,7 +466,8 @@ class Runner:
         rows = batch.rows
         last = [(head[s.request_id] or s.generated)[-1] for s in rows]
         logits = batch.state.step(mx.array(last, dtype=mx.int32))
-        following = self._sample(rows, logits, self._choose_rows(rows, logits))
+        ahead = [len(head[s.request_id]) for s in rows]
+        following = self._sample(rows, logits, ahead, self._choose_rows(rows, logits))
         values = following.tolist()
         assert isinstance(values, list)
         for sequence, value in zip(rows, values, strict=True):
@@ -445,14 +487,12 @@ class Runner:
         assert sequence.state is not None and (sequence.generated or sequence.pending is not None)
         if sequence.chooser is not None:
             return self._speculate_chosen(sequence, sequence.chooser, depth)
-        drafter = getattr(self.adapter, "speculate", None)
+        drafter = self.adapter.speculate if isinstance(self.adapter, SupportsSpeculation) else None
         if depth <= 0 or drafter is None:
             started = self.clock()
             if sequence.pending is None:
                 logits = self.adapter.step(sequence.state, mx.array(sequence.generated[-1:]))
-                sequence.pending = sample(
-                    logits, sequence.request.params.sampling, sequence.keys.next()
-                )
+                sequence.pending = sample(logits, sequence.request.params.sampling, sequence.key())
                 mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
                 clean = False
             else:
@@ -473,11 +513,15 @@ class Runner:
             if sequence.budget - len(first) <= 0:
                 return first
             logits = self.adapter.step(sequence.state, mx.array([last]))
-            token = sample(logits, sequence.request.params.sampling, sequence.keys.next())
+            token = sample(logits, sequence.request.params.sampling, sequence.key(len(first)))
             return [*first, token_id(token)]
         started = self.clock()
         tokens, drafted, accepted = drafter(
-            sequence.state, last, depth, sequence.request.params.sampling, sequence.keys
+            sequence.state,
+            last,
+            depth,
+            sequence.request.params.sampling,
+            sequence.draws(len(first)),
         )
         if not first:
             # After plain steps the first draft also folds their MTP entries in: a
@@ -496,15 +540,26 @@ class Runner:
         (`MTPAdapter.speculate_chosen`), or one unpipelined step. Its rounds are not timed
         for the automatic depth: the grammar's masks make them dearer than others."""
         assert sequence.state is not None
-        drafter = getattr(self.adapter, "speculate_chosen", None)
+        drafter = (
+            self.adapter.speculate_chosen if isinstance(self.adapter, SupportsSpeculation) else None
+        )
         depth = min(depth, sequence.budget - 1)
         if depth <= 0 or drafter is None:
             sequence.stats.count_step(0)
             sequence.plain_streak += 1
             return self._choose(sequence, chooser)
-        tokens, drafted, accepted = drafter(
-            sequence.state, sequence.generated[-1], depth, chooser, sequence.keys, sequence.budget
-        )
+        try:
+            tokens, drafted, accepted = drafter(
+                sequence.state,
+                sequence.generated[-1],
+                depth,
+                chooser,
+                sequence.draws(),
+                sequence.budget,
+            )
+        except Exception as exc:
+            self._fail(sequence, exc)
+            return []
         sequence.stats.record(drafted, accepted)
         sequence.plain_streak = 0
         if self.depth_picker is not None:

@@ -5,11 +5,21 @@ with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw the
 replacement from normalize(max(p_i - q_i, 0)); if every draft is kept, draw a
 bonus token from p_{k+1}. The emitted tokens then follow the target model's
 distribution p exactly, whatever the drafter proposes.
+
+A request with a seed is verified by coupled draws instead: the token at each
+verified position is drawn from p with that position's own key, as a plain step
+draws it (`Draws.pick`), and drafts, drawn from q with the same keys, are kept while
+they equal those tokens (`greedy_accept` on the draws). Each token still follows p
+(its key's noise is independent of the tokens before it), fewer drafts are kept than
+by rejection sampling, and the answer is the one depth 0 gives, draw for draw.
 """
 
 import mlx.core as mx
 
-from mlxserve.engine.sample.sampling import KeyStream, sample_from, token_id
+from mlxserve.engine.sample.sampling import Draws, sample_from, token_id
+
+#: The uses of a round's keys besides its positions' draws (`KeyStream.key`).
+UNIFORMS, RESIDUAL = 1, 2
 
 
 def greedy_accept(drafts: list[int], targets: list[int]) -> list[int]:
@@ -21,7 +31,7 @@ def greedy_accept(drafts: list[int], targets: list[int]) -> list[int]:
 
 
 def rejection_accept(
-    drafts: list[int], draft_probs: mx.array, target_probs: mx.array, keys: KeyStream
+    drafts: list[int], draft_probs: mx.array, target_probs: mx.array, keys: Draws
 ) -> list[int]:
     """Tokens to emit. `draft_probs` [k, V] (q), `target_probs` [k + 1, V] (p)."""
     accepted, final = rejection_decision(
@@ -33,7 +43,7 @@ def rejection_accept(
 
 
 def rejection_decision(
-    drafts: mx.array, draft_probs: mx.array, target_probs: mx.array, keys: KeyStream
+    drafts: mx.array, draft_probs: mx.array, target_probs: mx.array, keys: Draws
 ) -> tuple[mx.array, mx.array]:
     """(number of drafts kept, the token drawn after them), both lazy.
 
@@ -48,7 +58,7 @@ def rejection_decision(
         rows = mx.arange(k)
         p_draft = target_probs[rows, drafts]
         q_draft = draft_probs[rows, drafts]
-        uniforms = mx.random.uniform(shape=(k,), key=keys.next())
+        uniforms = mx.random.uniform(shape=(k,), key=keys.key(0, UNIFORMS))
         keep = (uniforms * q_draft < p_draft).astype(mx.int32)
         accepted = mx.cumprod(keep).sum()
         padded = mx.concatenate([draft_probs.astype(target_probs.dtype), mx.zeros((1, vocab))])
@@ -61,4 +71,4 @@ def rejection_decision(
     total = residual.sum()
     # p == q on the support: any token of p is a valid replacement draw.
     residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_row)
-    return accepted, sample_from(residual, keys.next())
+    return accepted, sample_from(residual, keys.key(0, RESIDUAL))

@@ -3,48 +3,35 @@
 One `Grammars` per engine turns the model's tokenizer into llguidance's (about a
 second for a large vocabulary, so once, on the first constrained request); one
 `Grammar` per request compiles its grammar, gives the mask of allowed tokens
-before each sample and reads the chosen token back. The mask is a boolean MLX
-array over the model's logits, applied as ``where(mask, logits, -inf)`` just
-before sampling (`mlxserve.engine.sample.logits`).
+before each sample and reads the chosen token back: only the tokens the request
+emits (a speculative round reads its drafts into a `Grammar.fork`). The mask is a
+boolean MLX array over the model's logits, applied as ``where(mask, logits, -inf)``
+just before sampling (`mlxserve.engine.sample.logits`).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from mlxserve.grammars import ll_tokenizer
+from mlxserve.grammars import Closing, ll_tokenizer
 
 
 class GrammarError(ValueError):
     """The grammar does not compile, or the output left it (a bug, never the client's)."""
 
 
-#: Characters that close a JSON string, object or array.
-CLOSING = frozenset('"}]')
-
-
 class Grammar:
-    """One request's grammar state: mask, accept, roll back.
+    """One request's grammar state: mask, accept, fork, and the tokens that finish it
+    (`closing_path`: near ``max_tokens`` they are reserved, `mlxserve.engine.sample.ending`)."""
 
-    ``closers`` marks the tokens made only of closing characters: near the end of its
-    token budget a request prefers them where the grammar allows any (see
-    `TokenChooser`), so its JSON is finished rather than cut off.
-    """
-
-    def __init__(
-        self,
-        matcher: Any,
-        vocab_size: int,
-        closers: tuple[mx.array, mx.array, mx.array] | None = None,
-    ) -> None:
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         self._matcher = matcher
         self._vocab = vocab_size
-        #: (tokens of quotes only, of closing characters only, with a newline), [vocab] bool
-        self.closers = closers
 
     def mask(self) -> mx.array:
         """[vocab] bool: the tokens the grammar allows next."""
@@ -64,15 +51,26 @@ class Grammar:
             self._matcher.consume_tokens(tokens)
             self._check()
 
-    def rollback(self, count: int) -> None:
-        """Forget the last ``count`` accepted tokens (drafts a speculative round read)."""
-        if count and not self._matcher.rollback(count):
-            raise GrammarError(f"grammar: cannot roll back {count} tokens")
-        self._check()
+    def fork(self) -> Grammar:
+        """A copy in the same state that reads tokens on its own (a speculative round's
+        drafts: about a microsecond). Not a rollback: llguidance refuses to roll back
+        past a lexeme with ``stop=`` or ``max_tokens=`` (the reasoning before a thinking
+        request's answer, `mlxserve.server.constraints.after_reasoning`), and a refused
+        rollback leaves the matcher in its error state for good."""
+        return Grammar(self._matcher.deep_copy(), self._vocab)
 
     def allows(self, tokens: list[int]) -> int:
         """How many of ``tokens``, in order, the grammar would take from here."""
         return int(self._matcher.validate_tokens(tokens))
+
+    def closing_path(self, closing: Closing, opening: Sequence[int] = ()) -> list[int] | None:
+        """Tokens that finish the grammar from here: ``opening`` (which it must take),
+        then `Closing.path`'s (None: none found). The grammar itself does not move."""
+        matcher = self._matcher.deep_copy()
+        if opening and not matcher.consume_tokens(list(opening)):
+            return None
+        path = closing.path(matcher)
+        return None if path is None else [*opening, *path]
 
     @property
     def finished(self) -> bool:
@@ -91,23 +89,16 @@ class Grammars:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._ll: Any = None
-        self._closers: tuple[mx.array, mx.array, mx.array] | None = None
+        self._closing: Closing | None = None
         self._lock = threading.Lock()
 
-    def _closing_tokens(self) -> tuple[mx.array, mx.array, mx.array]:
+    def closing(self) -> Closing:
+        """The tokenizer's closing paths (built on first use)."""
+        tokenizer = self._ll_tokenizer()
         with self._lock:
-            if self._closers is None:
-                quotes = np.zeros(self.vocab_size, dtype=np.bool_)
-                closing = np.zeros(self.vocab_size, dtype=np.bool_)
-                newline = np.zeros(self.vocab_size, dtype=np.bool_)
-                for token in range(min(self.vocab_size, len(self._tokenizer))):
-                    raw = self._tokenizer.decode([token])
-                    text = raw.strip()
-                    quotes[token] = bool(text) and set(text) == {'"'}
-                    closing[token] = bool(text) and set(text) <= CLOSING
-                    newline[token] = "\n" in raw
-                self._closers = (mx.array(quotes), mx.array(closing), mx.array(newline))
-            return self._closers
+            if self._closing is None:
+                self._closing = Closing(tokenizer, self.vocab_size)
+            return self._closing
 
     def _ll_tokenizer(self) -> Any:
         with self._lock:
@@ -121,4 +112,4 @@ class Grammars:
         matcher = LLMatcher(self._ll_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"grammar: {matcher.get_error()}")
-        return Grammar(matcher, self.vocab_size, self._closing_tokens())
+        return Grammar(matcher, self.vocab_size)

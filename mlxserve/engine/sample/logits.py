@@ -13,10 +13,16 @@ the same transforms make both distributions (`mlxserve.engine.spec.draft_choice`
 the drafts are drawn from the transformed draft logits, and each verified
 position's target is the transformed main logits, with the history extended by
 the drafts before it and the grammar in its state after them.
+
+Near an end a position may have one choice only: the reasoning's end marker at its
+thinking budget, the tokens that finish the grammar before ``max_tokens``
+(`mlxserve.engine.sample.ending`); those masks depend on the answer so far and the
+tokens left only, so a speculative round's positions get them as plain steps would.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 
@@ -24,16 +30,13 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
 
 from mlxserve.channel.request import SamplingParams, TokenLogprob
+from mlxserve.engine.sample.ending import Ending
 from mlxserve.engine.sample.grammar import Grammar
-from mlxserve.engine.sample.sampling import token_id
+from mlxserve.engine.sample.sampling import pick, token_id
 
 #: How many recent tokens the penalties look at (mlx-lm's default is 20; OpenAI's
 #: penalties count the whole answer, so the window is wide).
 PENALTY_CONTEXT = 1024
-
-
-#: The last tokens of a grammar's budget, in which closing tokens are preferred.
-CLOSING_WINDOW = 16
 
 #: What a token the mask or a filter removed reports (JSON has no -inf), as vLLM does.
 LOGPROB_FLOOR = -9999.0
@@ -45,10 +48,16 @@ def _finite(value: float) -> float:
 
 class TokenChooser:
     def __init__(
-        self, params: SamplingParams, grammar: Grammar | None, history: tuple[int, ...] = ()
+        self,
+        params: SamplingParams,
+        grammar: Grammar | None,
+        history: tuple[int, ...] = (),
+        ending: Ending | None = None,
     ) -> None:
         self.params = params
         self.grammar = grammar
+        #: The request's ends (its reasoning's budget, its grammar's closing), if any.
+        self.ending = ending
         bias = dict(params.logit_bias) or None
         self._processors = make_logits_processors(
             logit_bias=bias,
@@ -67,6 +76,7 @@ class TokenChooser:
         self.logprobs: list[TokenLogprob] = []
         if grammar is not None:
             grammar.accept_all(list(history))
+        self.progress = ending.begin(history, grammar) if ending is not None else None
 
     def choose(self, logits: mx.array, key: mx.array, remaining: int | None = None) -> int:
         """The next token from ``logits`` ([vocab]); records it (grammar, history, logprobs).
@@ -103,26 +113,32 @@ class TokenChooser:
         return scores - mx.logsumexp(scores, axis=-1, keepdims=True)
 
     def allowed(self, remaining: int | None) -> mx.array | None:
-        """[vocab] bool: what the grammar allows next in its current state (None: no grammar).
+        """[vocab] bool: what may come next (None: anything): what the grammar allows in
+        its current state, or the one token an end forces (`Ending.forced`: the
+        reasoning's end marker at its budget, a closing path near ``max_tokens``).
 
-        ``remaining``: tokens left in the request's budget. In the last `CLOSING_WINDOW`
-        of them a grammar's closing tokens are the only choices wherever the grammar
-        allows one (a quote first: it ends an open string; else ``}``, ``]``), so a JSON
-        answer ends before the budget does. Not where the grammar allows a raw newline:
-        compact JSON never does, free text does (reasoning before the answer, a DSML
-        string parameter), and there quotes would only be noise.
+        ``remaining``: tokens left in the request's budget, this one included.
         """
-        if self.grammar is None:
-            return None
-        allowed = self.grammar.mask()
-        closers = self.grammar.closers
-        if remaining is not None and remaining <= CLOSING_WINDOW and closers is not None:
-            quotes = mx.logical_and(allowed, closers[0])
-            closing = mx.logical_and(allowed, closers[1])
-            free = mx.any(mx.logical_and(allowed, closers[2]))
-            shaped = mx.where(mx.any(quotes), quotes, mx.where(mx.any(closing), closing, allowed))
-            allowed = mx.where(free, allowed, shaped)
-        return allowed
+        forced = None
+        if self.ending is not None:
+            assert self.progress is not None
+            forced = self.ending.forced(self.progress, self.grammar, remaining)
+        if forced is not None:
+            assert self.ending is not None
+            return mx.arange(self.ending.vocab_size) == forced
+        return self.grammar.mask() if self.grammar is not None else None
+
+    @property
+    def masked(self) -> bool:
+        """Its positions may have masks (`allowed`) within a speculative round from here:
+        a grammar, or a thinking budget in sight (`Ending.near`)."""
+        if self.grammar is not None:
+            return True
+        return (
+            self.ending is not None
+            and self.progress is not None
+            and self.ending.near(self.progress)
+        )
 
     def weights(self, logprobs: mx.array) -> mx.array:
         """Log-weights [..., vocab] of the distribution a sampled token is drawn from:
@@ -138,10 +154,11 @@ class TokenChooser:
         return scaled
 
     def draw(self, logprobs: mx.array, key: mx.array) -> mx.array:
-        """One token per row of ``logprobs`` (from `target`), lazily."""
+        """One token per row of ``logprobs`` (from `target`), lazily, drawn with ``key``
+        (`mlxserve.engine.sample.sampling.pick`: a speculative round draws the same)."""
         if self.params.greedy:
             return mx.argmax(logprobs, axis=-1)
-        return mx.random.categorical(self.weights(logprobs), axis=-1, key=key)
+        return pick(self.weights(logprobs), key)
 
     def commit(self, tokens: list[int], logprobs: mx.array) -> list[int]:
         """The chosen ``tokens``, in order, with the `target` rows they were chosen from
@@ -152,13 +169,36 @@ class TokenChooser:
         for row, token in enumerate(tokens):
             if self.params.logprobs is not None:
                 self.logprobs.append(self._record(logprobs[row], token))
-            if self.grammar is not None:
-                self.grammar.accept(token)
-            self.history.append(token)
+            self.read(token)
             taken.append(token)
-            if self.grammar is not None and self.grammar.finished:
+            if self.finished:
                 break
         return taken
+
+    def read(self, token: int) -> None:
+        """``token`` follows: the grammar takes it, the history and the ends count it. Every state
+        a token moves (here) must be copied by `fork`."""
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        if self.ending is not None:
+            assert self.progress is not None
+            self.progress = self.ending.after(self.progress, token)
+        self.history.append(token)
+
+    @property
+    def finished(self) -> bool:
+        """Its grammar is complete: nothing may follow."""
+        return self.grammar is not None and self.grammar.finished
+
+    def fork(self) -> TokenChooser:
+        """A copy whose state moves on its own (a speculative round reads its drafts into
+        one, so this chooser only ever reads the tokens emitted): the grammar's matcher
+        copied, the history too; no logprobs."""
+        twin = copy.copy(self)
+        twin.grammar = self.grammar.fork() if self.grammar is not None else None
+        twin.history = list(self.history)
+        twin.logprobs = []
+        return twin
 
     def _record(self, logprobs: mx.array, token: int) -> TokenLogprob:
         count = self.params.logprobs or 0

@@ -133,7 +133,7 @@ def measure_round_costs(
         adapter.speculate(copy, 1, k, GREEDY, keys)
         return clock() - start
 
-    keys = KeyStream(0)
+    keys = KeyStream(0).at(0)
     probes: dict[str, Callable[[], float]] = {"plain": plain}
     for k in range(1, depth + 1 if parts else 1):
         probes[f"verify{k}"] = lambda k=k: verify(k)  # type: ignore[misc]

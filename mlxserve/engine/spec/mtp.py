@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlxserve.channel.request import SamplingParams
 from mlxserve.engine.sample.acceptance import greedy_accept, rejection_decision
 from mlxserve.engine.sample.logits import TokenChooser
-from mlxserve.engine.sample.sampling import KeyStream, probabilities, sample, token_id
+from mlxserve.engine.sample.sampling import Draws, probabilities, sample, token_id
 from mlxserve.engine.spec.draft_choice import ChosenRound
 from mlxserve.hardware.tuning import EngineTuning, default_tuning, tune_model
 from mlxserve.kernels.buffers import own_buffers
@@ -161,11 +161,12 @@ class MTPAdapter:
         last_token: int,
         depth: int,
         params: SamplingParams,
-        keys: KeyStream,
+        draws: Draws,
         propose: Proposer | None = None,
     ) -> tuple[list[mx.array], list[mx.array], list[int]]:
         """Lazy drafts and their logits; the first forward also folds the carry in.
-        ``propose``: how a draft is drawn (default: `propose`)."""
+        ``propose``: how a draft is drawn (default: `propose`), draft j with the key of
+        its position in ``draws``."""
         assert state.carry is not None
         propose = propose or self.propose
         blocks = self.model.num_mtp_blocks
@@ -180,7 +181,7 @@ class MTPAdapter:
             logits, out = self.model.mtp_forward(streams, successors, state.mtp_cache[block], block)
             used[block] += streams.shape[1]
             last = logits[0, -1]
-            successors = propose(level, last, params, keys.next()).reshape(1, 1)
+            successors = propose(level, last, params, draws.key(level)).reshape(1, 1)
             streams = out[:, -1:]
             drafts.append(successors.reshape(()))
             draft_logits.append(last)
@@ -192,25 +193,29 @@ class MTPAdapter:
         return verify_streams(self.model, tokens[None], state.cache, drafts, queue_every)
 
     def speculate(
-        self, state: Any, last_token: int, depth: int, params: SamplingParams, keys: KeyStream
+        self, state: Any, last_token: int, depth: int, params: SamplingParams, draws: Draws
     ) -> tuple[list[int], int, int]:
-        """One draft + verify round; returns (tokens to emit, drafted, accepted)."""
+        """One draft + verify round; returns (tokens to emit, drafted, accepted).
+        ``draws``: the keys of the round's positions (the first draft's on)."""
         assert isinstance(state, MTPState) and state.carry is not None and depth >= 1
         carried = int(state.carry.shape[1])
-        drafts, draft_logits, used = self._draft(state, last_token, depth, params, keys)
+        drafts, draft_logits, used = self._draft(state, last_token, depth, params, draws)
         draft_ids = mx.stack(drafts)
         verify_tokens = mx.concatenate([mx.array([last_token]), draft_ids.astype(mx.int32)])
         main_streams = self._verify(state, verify_tokens, drafts)
         main_logits = self.model.head_from_streams(main_streams)[0]
         caches = [c.state for c in (*state.cache, *state.mtp_cache)]
-        if params.greedy:
-            targets = mx.argmax(main_logits, axis=-1)
+        if params.greedy or draws.coupled:
+            if params.greedy:
+                targets = mx.argmax(main_logits, axis=-1)
+            else:
+                targets = draws.pick(mx.log(probabilities(main_logits, params)))
             mx.eval(draft_ids, targets, main_streams, caches)
             emitted = greedy_accept(_ints(draft_ids), _ints(targets))
         else:
             q = probabilities(mx.stack(draft_logits), params)
             p = probabilities(main_logits, params)
-            count, final = rejection_decision(draft_ids, q, p, keys)
+            count, final = rejection_decision(draft_ids, q, p, draws)
             mx.eval(draft_ids, count, final, main_streams, caches)
             kept = token_id(count)
             emitted = [*_ints(draft_ids)[:kept], token_id(final)]
@@ -222,7 +227,7 @@ class MTPAdapter:
         last_token: int,
         depth: int,
         chooser: TokenChooser,
-        keys: KeyStream,
+        draws: Draws,
         remaining: int,
     ) -> tuple[list[int], int, int]:
         """`speculate` for a request with a `TokenChooser` (``remaining``: its budget):
@@ -233,14 +238,14 @@ class MTPAdapter:
         carried = int(state.carry.shape[1])
         chosen = ChosenRound(chooser, remaining)
         drafts, _, used = self._draft(
-            state, last_token, depth, chooser.params, keys, propose=chosen.propose
+            state, last_token, depth, chooser.params, draws, propose=chosen.propose
         )
         verify_tokens = mx.concatenate([mx.array([last_token]), mx.stack(drafts)])
         main_streams = self._verify(state, verify_tokens, drafts)
         main_logits = self.model.head_from_streams(main_streams)[0]
         caches = [c.state for c in (*state.cache, *state.mtp_cache)]
         mx.async_eval(main_logits, main_streams, caches)  # type: ignore[no-untyped-call]
-        emitted = chosen.verify(main_logits, keys)
+        emitted = chosen.verify(main_logits, draws)
         return _settle(state, emitted, depth, carried, used, main_streams)
 
     def measure_costs(

@@ -51,6 +51,8 @@ def refused_fields(params: GenerationParams) -> list[str]:
         "grammar": params.grammar is not None,
         # Logprobs come back per piece of text, not per token id of this tokenizer.
         "logprobs": params.sampling.logprobs is not None,
+        # No /completions field forces a reasoning's end marker at a budget.
+        "reasoning": params.reasoning is not None and params.reasoning.budget_tokens is not None,
     }
     return [name for name, on in asked.items() if on]
 
@@ -66,7 +68,8 @@ def completion_body(params: GenerationParams, model: str, prompt: str) -> dict[s
     ``stop_token_ids`` is the model's EOS ids or none: the remote serves the same
     model and stops at its own EOS, so only "none" (``ignore_eos``) is sent.
     ``grammar_prefix`` is the prompt's own tail, which the prompt text carries;
-    it matters only to a grammar, and a grammar is refused.
+    it matters only to a grammar and a thinking budget, which are refused; so does a
+    ``reasoning`` without a budget (where its end is, for a grammar's closing).
     """
     sampling = params.sampling
     repetition = sampling.repetition_penalty

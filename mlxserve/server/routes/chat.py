@@ -118,7 +118,10 @@ class Answer:
 
     def __post_init__(self) -> None:
         parser = self.prompt.tool_parser() if self.prompt.tool_parser else None
-        self.output = ChatOutput(reasoning_end=self.prompt.reasoning_end, tools=parser)
+        forced = self.prompt.forced is not None
+        self.output = ChatOutput(
+            reasoning_end=self.prompt.reasoning_end, tools=parser, forced=forced
+        )
 
     def add(self, delta: Delta) -> list[Piece]:
         if delta.logprobs is not None:

@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 
 from starlette.requests import Request
 
+from mlxserve.channel.request import Reasoning
 from mlxserve.chat import ChatPrompt
 from mlxserve.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from mlxserve.server.chat_request import chat_prompt
@@ -80,8 +81,9 @@ class ChatCall(Generic[Body]):
         self, grammar: str | None, *, limit_param: str = "max_tokens", logprobs: int | None = None
     ) -> Prepared:
         """The checked generation of this call, from its internal chat request (the
-        limit, the sampling, stops, ignore_eos), its `grammar` (`self.grammar()`) and the
-        route's ``logprobs``: every API reads them the same way, whichever it came by."""
+        limit, the sampling, stops, ignore_eos), its `grammar` (`self.grammar()`), the
+        reasoning the prompt opened (`reasoning`) and the route's ``logprobs``: every
+        API reads them the same way, whichever it came by."""
         chat = self.chat
         return self.runtime.generations.prepare(
             self.prompt.ids,
@@ -92,7 +94,20 @@ class ChatCall(Generic[Body]):
             ignore_eos=bool(chat.ignore_eos),
             limit_param=limit_param,
             prompt_param=self.prompt_param,
+            reasoning=self.reasoning(grammar),
         )
+
+    def reasoning(self, grammar: str | None) -> Reasoning | None:
+        """The reasoning the prompt opened, where the engine must know its end: a
+        thinking budget (forced there), or a ``grammar`` that must close before the
+        limit (the end marker comes first). Its end marker as the model's tokens."""
+        prompt = self.prompt
+        if prompt.reasoning_end is None:
+            return None
+        if grammar is None and prompt.reasoning_budget is None:
+            return None
+        end = self.runtime.tokenizer.text_ids(prompt.reasoning_end)
+        return Reasoning(tuple(end), prompt.reasoning_budget)
 
 
 async def read_chat(

@@ -43,11 +43,23 @@ def _stop_reason(answer: Answer, last: Delta) -> str:
     return "max_tokens" if last.finish_reason == "length" else "end_turn"
 
 
-def _usage(last: Delta) -> dict[str, int]:
-    usage = {"input_tokens": last.prompt_tokens, "output_tokens": last.completion_tokens}
-    if last.cached_tokens:
-        usage["cache_read_input_tokens"] = last.cached_tokens
-    return usage
+def _usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Usage as Anthropic counts it: ``input_tokens`` are the prompt's tokens not read
+    from the cache, so the prompt is their sum with ``cache_read_input_tokens`` (the
+    prefix cache's hits); both cache fields are numbers, 0 when nothing was read or
+    written (mlxserve's prefix cache is automatic and writes no entry of its own:
+    ``cache_creation_input_tokens`` is always 0)."""
+    cached = min(cached_tokens, prompt_tokens)
+    return {
+        "input_tokens": prompt_tokens - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output_tokens,
+    }
+
+
+def _last_usage(last: Delta) -> dict[str, int]:
+    return _usage(last.prompt_tokens, last.cached_tokens, last.completion_tokens)
 
 
 def _tool_block(call: ParsedToolCall) -> dict[str, Any]:
@@ -95,7 +107,7 @@ async def messages(request: Request) -> Response:
             "content": content,
             "stop_reason": _stop_reason(answer, last),
             "stop_sequence": last.stop_string,
-            "usage": _usage(last),
+            "usage": _last_usage(last),
         }
         return JSONResponse(reply, headers=backend_header(last))
     head: dict[str, Any] = {
@@ -106,7 +118,9 @@ async def messages(request: Request) -> Response:
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": {"input_tokens": prepared.prompt_tokens, "output_tokens": 0},
+        # The cache's hits are known when the answer ends: message_delta's usage
+        # (cumulative, as Anthropic's) has them, and the input_tokens without them.
+        "usage": _usage(prepared.prompt_tokens, 0, 0),
     }
     events = _events(with_first(first, deltas), head, answer)
     return typed_sse_response(events, anthropic_error, headers=backend_header(first))
@@ -178,7 +192,7 @@ async def _events(
                     "stop_reason": _stop_reason(answer, delta),
                     "stop_sequence": delta.stop_string,
                 },
-                "usage": _usage(delta),
+                "usage": _last_usage(delta),
             }
             yield {"type": "message_stop"}
     finally:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlxserve.chat import Content, Piece, Reasoning
-from mlxserve.server.errors import APIError
+from mlxserve.server.errors import APIError, InvalidRequest
 from mlxserve.server.generation import Delta, Prepared
 from mlxserve.server.responses_protocol import ResponsesRequest, to_chat
 from mlxserve.server.routes.chat import Answer
@@ -213,10 +213,29 @@ def _prepare(call: ChatCall[ResponsesRequest]) -> Prepared:
     return call.prepare(call.grammar(), limit_param="max_output_tokens")
 
 
+#: The chat request's names of the fields a Responses request names otherwise, for the
+#: refusals of its prompt's format (`mlxserve.chat`).
+_NAMES = {
+    "reasoning_effort": "reasoning.effort",
+    "thinking.budget_tokens": "reasoning.budget_tokens",
+    "thinking": "reasoning.budget_tokens",  # what turns thinking on here
+}
+
+
 async def responses(request: Request) -> Response:
-    call, prepared = await read_generation(
-        request, ResponsesRequest, to_chat, _prepare, prompt_param="input"
-    )
+    try:
+        call, prepared = await read_generation(
+            request, ResponsesRequest, to_chat, _prepare, prompt_param="input"
+        )
+    except InvalidRequest as exc:
+        old = exc.param or ""
+        name = _NAMES.get(old)
+        if name is None:
+            raise
+        if exc.message.startswith(old):
+            exc.message = name + exc.message[len(old) :]
+        exc.param = name
+        raise
     body, prompt = call.body, call.prompt
     generations = call.runtime.generations
     head: dict[str, Any] = {

@@ -81,9 +81,10 @@ def test_single_user_thinking_mode() -> None:
     assert encode([user("Hi")], thinking=True) == f"{B}{U}Hi{A}<think>"
 
 
-def test_system_messages_joined_with_a_blank_line() -> None:
+def test_system_messages_run_together() -> None:
+    """Nothing between consecutive system messages, as DeepSeek's reference writes them."""
     messages = [Message("system", "Be brief."), Message("system", "Be kind."), user("Hi")]
-    assert encode(messages, thinking=False) == f"{B}Be brief.\n\nBe kind.{U}Hi{A}</think>"
+    assert encode(messages, thinking=False) == f"{B}Be brief.Be kind.{U}Hi{A}</think>"
 
 
 def test_reasoning_effort_max_prefix_in_thinking_mode_only() -> None:
@@ -244,12 +245,39 @@ def test_everything_together_max_effort_tools_history() -> None:
         user("Thanks"),
     ]
     expected = (
-        f"{B}{MAX_PREFIX}S1\n\nS2\n\n{TOOLS_SECTION}"
+        f"{B}{MAX_PREFIX}S1\n\n{TOOLS_SECTION}S2"
         f"{U}Q1{A}<think>think</think>\n\n{CALL_DSML}{E}"
         f"{U}<tool_result>rain</tool_result>{A}<think>easy</think>It rains.{E}"
         f"{U}Thanks{A}<think>"
     )
     assert encode(messages, thinking=True, tools=[WEATHER], reasoning_effort="max") == expected
+
+
+def test_a_finished_transcript_ends_with_the_answer() -> None:
+    messages = [user("Q"), Message("assistant", "A", reasoning_content="R")]
+    assert encode(messages, thinking=True) == f"{B}{U}Q{A}<think>R</think>A{E}"
+
+
+SCHEMA_SECTION = (
+    "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n"
+    '{"type": "object"}'
+)
+
+
+def test_request_tools_and_schema_go_on_a_leading_developer_message() -> None:
+    """As vLLM attaches them; with tools nothing is dropped, so neither is lost."""
+    messages = [Message("developer", "D"), Message("assistant", "A1"), user("Q")]
+    expected = (
+        f"{B}{U}D\n\n{TOOLS_SECTION}\n\n{SCHEMA_SECTION}{A}<think></think>A1{E}{U}Q{A}<think>"
+    )
+    schema = {"type": "object"}
+    assert encode(messages, thinking=True, tools=[WEATHER], response_format=schema) == expected
+
+
+def test_a_schema_alone_goes_before_a_developer_message_thinking_drops() -> None:
+    messages = [Message("developer", "D"), Message("assistant", "A1"), user("Q")]
+    expected = f"{B}\n\n{SCHEMA_SECTION}A1{E}{U}Q{A}<think>"
+    assert encode(messages, thinking=True, response_format={"type": "object"}) == expected
 
 
 def test_non_object_arguments_are_kept_whole() -> None:
@@ -273,7 +301,6 @@ def test_non_object_arguments_are_kept_whole() -> None:
     [
         [],
         [Message("system", "S")],
-        [user("Q"), Message("assistant", "A")],
         [user("Q"), Message("developer", "")],
     ],
 )

@@ -25,10 +25,10 @@ def test_rejection_sampling_matches_target_distribution() -> None:
     counts = np.zeros(vocab)
     second = np.zeros(vocab)
     runs = 4000
-    for _ in range(runs):
+    for run in range(runs):
         draft = int(rng.choice(vocab, p=q[0]))
         out = rejection_accept(
-            [draft], mx.array(q, dtype=mx.float32), mx.array(p, dtype=mx.float32), keys
+            [draft], mx.array(q, dtype=mx.float32), mx.array(p, dtype=mx.float32), keys.at(run)
         )
         counts[out[0]] += 1
         if len(out) == 2:
@@ -43,6 +43,6 @@ def test_rejection_sampling_matches_target_distribution() -> None:
 def test_identical_distributions_accept_everything() -> None:
     p = mx.array([[0.2, 0.8], [0.5, 0.5], [0.1, 0.9]])
     keys = KeyStream(0)
-    for _ in range(20):
-        out = rejection_accept([1, 0], p[:2], p, keys)
+    for run in range(20):
+        out = rejection_accept([1, 0], p[:2], p, keys.at(run))
         assert out[:2] == [1, 0] and len(out) == 3

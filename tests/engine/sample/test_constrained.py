@@ -102,8 +102,9 @@ def test_a_speculative_request_reuses_a_constrained_requests_state(
 
 
 def test_json_is_closed_before_the_budget_ends(demo: tuple[Any, Any]) -> None:
-    """Sampled at temperature 1 the demo writes long strings; in the last tokens of its
-    budget the grammar's closing tokens win, so the answer still parses."""
+    """Sampled at temperature 1 the demo writes long strings; near the end of its budget
+    the tokens that close the grammar are reserved, so the answer still parses
+    (`mlxserve.engine.sample.ending`)."""
     schema = {
         "type": "object",
         "properties": {

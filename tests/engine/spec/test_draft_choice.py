@@ -139,7 +139,7 @@ def test_a_draft_the_grammar_rejects_is_a_rejection(demo: tuple[Any, Any, Gramma
     chosen.drafts = [mx.array(a, dtype=mx.int32), mx.array(x, dtype=mx.int32)]
     logits = mx.zeros((3, grammars.vocab_size))
     logits = logits.at[0, a].add(5.0).at[1, x].add(5.0).at[1, b].add(1.0)
-    assert chosen.verify(logits, KeyStream(0)) == [a, b]
+    assert chosen.verify(logits, KeyStream(0).at(0)) == [a, b]
     # The grammar read the emitted tokens only; it goes on from "ab".
     assert chooser.history == [a, b] and grammar.allows([x]) == 0 and grammar.allows([a]) == 1
 
@@ -154,25 +154,28 @@ def _transformed(logits: np.ndarray, history: list[int], presence: float, top_k:
     return out / out.sum()
 
 
-def test_rejection_sampling_keeps_the_transformed_target() -> None:
+@pytest.mark.parametrize("coupled", [False, True])
+def test_speculative_draws_keep_the_transformed_target(coupled: bool) -> None:
     """top_k 3 and a presence penalty on a vocabulary of 8; the drafter is far from the
     target. The first emitted token follows the transformed target p_0, the second
-    (after the most frequent first one) p_1 with that token counted by the penalty."""
+    (after the most frequent first one) p_1 with that token counted by the penalty:
+    under rejection sampling (no seed) and under coupled draws (a seed)."""
     vocab, presence, top_k, history = 8, 1.5, 3, [2]
     rng = np.random.default_rng(0)
     target = rng.normal(size=(3, vocab)) * 1.5
     target[:, 2] += 1.0  # the penalised token would be in the top 3 without the penalty
     draft = rng.normal(size=(2, vocab)) * 2.0
     params = SamplingParams(temperature=1.0, top_k=top_k, presence_penalty=presence)
-    keys = KeyStream(7)
+    keys = KeyStream(7, coupled=coupled)
     target_mx, draft_mx = mx.array(target, dtype=mx.float32), mx.array(draft, dtype=mx.float32)
-    runs = 1000
+    runs = 2000 if coupled else 1000  # coupled draws keep fewer of these poor drafts
     emitted = []
-    for _ in range(runs):
+    for run in range(runs):
+        draws = keys.at(4 * run)  # each run at positions of its own
         chosen = ChosenRound(TokenChooser(params, None, tuple(history)), remaining=100)
         for level in range(2):
-            chosen.propose(level, draft_mx[level], params, keys.next())
-        emitted.append(chosen.verify(target_mx, keys))
+            chosen.propose(level, draft_mx[level], params, draws.key(level))
+        emitted.append(chosen.verify(target_mx, draws))
     first = np.bincount([e[0] for e in emitted], minlength=vocab)
     expected = _transformed(target[0], history, presence, top_k)
     support = expected > 0

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxserve.channel.request import GenerationParams
+from mlxserve.channel.request import GenerationParams, Reasoning
 from mlxserve.server.app import create_app
 from mlxserve.server.backends.base import (
     BackendError,
@@ -197,8 +197,9 @@ def test_every_field_reaches_a_remote_mlxserve_or_is_refused_by_name(
         "grammar": '{"grammars": [{"lark_grammar": "start: \\"a\\""}]}',
         # A resume: the tokens already sent end the prompt, which carries them.
         "grammar_prefix": prompt[-2:],
+        "reasoning": Reasoning(end_ids=(7, 8), budget_tokens=3),  # a thinking budget
     }
-    refused = {"logprobs", "grammar"}
+    refused = {"logprobs", "grammar", "reasoning"}
     assert set(samples) == ALL_FIELDS, "a field has no sample"
     variants = {"baseline": base} | {
         name: with_field(base, name, value) for name, value in samples.items()
