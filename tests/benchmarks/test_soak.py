@@ -1,12 +1,10 @@
-"""CI's short soaks: `benchmarks/soak.py` against a live server with a standby.
+"""CI's short soak: `benchmarks/soak.py` against a live server with a standby.
 
-- Engine faults: random kill, hang and crash faults on the primary while the
-  rotation runs (21 s; with seed 1 the first fault, a hang, comes 0.9 s in, so
-  every run sees an incident and a failover; 5 s at the end for its incident,
-  should a slow machine need them): no request may be lost, and every greedy
-  answer must equal the undisturbed one.
-- What only looks like a hang: clients that never read, huge prompts and a
-  paused front. No request lost, every answer exact, and no incident at all.
+Random faults of every kind while the rotation runs (21 s; 5 s at the end for the
+last incident, should a slow machine need them): engine faults (kill, hang, crash,
+both backends down) and what only looks like a hang (a paused front, huge prompts,
+clients that do not read). No request may be lost, every greedy answer must equal
+the undisturbed one, and every incident must be one an engine fault explains.
 
 (Timings are reported by the benchmark, never asserted here.)
 """
@@ -43,24 +41,18 @@ def run_soak(tmp_path: Path, *args: str) -> dict[str, Any]:
     return report
 
 
-def test_short_soak_loses_nothing(tmp_path: Path) -> None:
+def test_short_soak_loses_nothing_and_blames_nobody_falsely(tmp_path: Path) -> None:
+    """Every kind of fault drawn; with seed 1 a hang comes 0.6 s in, the front itself is
+    paused 5 s from 1.1 s, then huge prompts, hangs, kills and both backends down."""
     report = run_soak(
         tmp_path,
-        *("--minutes", "0.35", "--fault-every-s", "6", "--seed", "1", "--settle-s", "5"),
-        *("--faults", "kill,hang,crash"),
-    )
-    assert report["incidents"] >= 1 and report["failovers"] >= 1
-
-
-def test_clients_and_a_paused_front_are_no_incident(tmp_path: Path) -> None:
-    report = run_soak(
-        tmp_path,
-        *("--minutes", "0.25", "--fault-every-s", "3.5", "--seed", "2", "--settle-s", "0"),
-        *("--faults", "nonreader,huge_prompt,front_pause,slow_reader"),
+        *("--minutes", "0.35", "--fault-every-s", "4", "--seed", "1", "--settle-s", "5"),
     )
     kinds = {f["kind"] for f in report["faults"]}
-    assert len(kinds) >= 2, report["faults"]
-    assert report["incidents"] == 0 and report["failovers"] == 0, report
+    assert kinds & {"kill", "hang", "crash", "both_down"}, report["faults"]
+    assert kinds & {"nonreader", "slow_reader", "huge_prompt", "front_pause"}, report["faults"]
+    assert report["incidents"] >= 1 and report["failovers"] >= 1
+    assert report["false_incidents"] == 0, report
     for fault in report["faults"]:
         if fault["kind"] == "huge_prompt":
             assert fault["outcome"].startswith("400"), fault
