@@ -17,6 +17,7 @@ from typing import Any
 
 from mlxserve.cluster.launch import launcher_command
 from mlxserve.config import FallbackSettings, Settings, state_dir
+from mlxserve.reliability.hang import LoopPauses
 from mlxserve.server.admission import Admission
 from mlxserve.server.backends.base import Backend
 from mlxserve.server.backends.local import LocalEngine
@@ -67,7 +68,10 @@ def inherited_env() -> dict[str, str]:
 
 
 def build_backends(settings: Settings, tokenizer: FrontTokenizer) -> list[Backend]:
+    """The primary and the fallbacks; the local engines share one record of the front's
+    event-loop pauses (`mlxserve.reliability.hang.LoopPauses`)."""
     server = settings.server
+    pauses = LoopPauses()
     backends: list[Backend] = [
         LocalEngine(
             "primary",
@@ -80,15 +84,20 @@ def build_backends(settings: Settings, tokenizer: FrontTokenizer) -> list[Backen
             request_timeout_s=server.request_timeout_s,
             hang_floor_s=server.hang_floor_s,
             launcher=group_launcher(settings, settings.cluster.hosts),
+            pauses=pauses,
         )
     ]
     for index, fallback in enumerate(settings.fallback, start=1):
-        backends.append(_fallback(settings, fallback, f"fallback{index}", tokenizer))
+        backends.append(_fallback(settings, fallback, f"fallback{index}", tokenizer, pauses))
     return backends
 
 
 def _fallback(
-    settings: Settings, entry: FallbackSettings, default: str, tokenizer: FrontTokenizer
+    settings: Settings,
+    entry: FallbackSettings,
+    default: str,
+    tokenizer: FrontTokenizer,
+    pauses: LoopPauses,
 ) -> Backend:
     server = settings.server
     name = entry.name or default
@@ -109,6 +118,7 @@ def _fallback(
         request_timeout_s=server.request_timeout_s,
         hang_floor_s=server.hang_floor_s,
         launcher=group_launcher(settings, entry.hosts),
+        pauses=pauses,
     )
 
 

@@ -93,8 +93,11 @@ class Supervisor:
         self.on_healthy = on_healthy
         self.incidents: deque[Incident] = deque(maxlen=INCIDENTS_KEPT)
         #: The front's own pauses: a probe that timed out while the front did not run
-        #: says nothing about the backend.
-        self.pauses = LoopPauses()
+        #: says nothing about the backend. One event loop, one record of its pauses:
+        #: the local engines' hang detectors keep it, so it is theirs (`build_backends`).
+        self.pauses = (
+            next((b.pauses for b in backends if isinstance(b, LocalEngine)), None) or LoopPauses()
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self.refused: dict[str, str] = {}  # backend -> why it refuses to start
