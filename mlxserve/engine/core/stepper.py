@@ -386,6 +386,11 @@ class Engine:
             emitted = self.runner.run(step, sequences)
         except Exception as exc:  # a failed step fails its requests, not the engine
             log.exception("step %d (%s) failed", step.index, step.kind)
+            if self.lockstep is not None:
+                # In a group a whole step that raised is the group's failure (a lost
+                # peer, a collective), not these requests': the loop ends the process,
+                # and the front resumes them elsewhere and restarts the group.
+                raise
             for sequence in sequences:
                 self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}")
             emitted = {}
