@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -100,6 +101,7 @@ async def one_request(
                 raise
     return {
         "ttft": times[0] - started if times else None,
+        "decode_s": times[-1] - times[0] if len(times) > 1 else None,
         "gaps": [b - a for a, b in itertools.pairwise(times)],
         "tokens": usage_tokens if usage_tokens is not None else len(times),
         "retries": attempt,
@@ -138,9 +140,28 @@ def engine_memory(server: Server) -> dict[str, int] | None:
     return memory or None
 
 
+def tree_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) of process ``pid`` and its descendants so far: for
+    mlxserve the front and its engine, for mlx_lm.server its one process. None where
+    /proc cannot tell (not Linux, a process gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    try:
+        while todo:
+            current = todo.pop()
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{current}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
 async def run_level(
     server: Server, clients: int, requests: int, max_tokens: int, extra: dict[str, Any]
 ) -> dict[str, Any]:
+    cpu_before = tree_cpu_s(server.proc.pid)
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def worker() -> list[dict[str, Any]]:
@@ -155,6 +176,10 @@ async def run_level(
     gaps = [g for r in results for g in r["gaps"]]
     tokens = sum(r["tokens"] for r in results)
     retries = sum(r["retries"] for r in results)
+    decoding = [r for r in results if r["decode_s"]]
+    decode_s = sum(r["decode_s"] for r in decoding)
+    cpu_after = tree_cpu_s(server.proc.pid)
+    cpu_s = cpu_after - cpu_before if cpu_after is not None and cpu_before is not None else None
     memory = engine_memory(server)
     return {
         "clients": clients,
@@ -164,6 +189,10 @@ async def run_level(
         "tokens": tokens,
         "seconds": round(elapsed, 3),
         "tokens_per_s": round(tokens / elapsed, 2),
+        # After each request's first token: decoding alone, whatever the TTFT.
+        "decode_tokens_per_s": (
+            round(sum(r["tokens"] - 1 for r in decoding) / decode_s, 2) if decode_s else None
+        ),
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p95_s": percentile(ttfts, 0.95),
         "itl_p50_s": percentile(gaps, 0.5),
@@ -171,6 +200,9 @@ async def run_level(
         # Chunks that arrive together (one read) have gaps near 0, which pulls the
         # p50 down; the mean gap is decode time over tokens, whatever the grouping.
         "itl_mean_s": sum(gaps) / len(gaps) if gaps else None,
+        # The server's CPU time per token (its processes', while the level ran): on a
+        # CPU shared with other work, what a token costs, whatever share the server got.
+        "cpu_ms_per_token": round(1e3 * cpu_s / tokens, 3) if cpu_s and tokens else None,
     }
 
 
@@ -237,18 +269,29 @@ def measure(
         first = runs[names[0]]
         for name in names:
             row = median_round(runs[name], before[name])
-            row["paired_over_first"] = [
-                round(mine["tokens_per_s"] / base["tokens_per_s"], 3)
-                if mine.get("tokens_per_s") and base.get("tokens_per_s")
-                else None
-                for mine, base in zip(runs[name], first, strict=True)
-            ]
+            for rate, paired in (
+                ("tokens_per_s", "paired_over_first"),
+                ("decode_tokens_per_s", "decode_paired_over_first"),
+            ):
+                row[paired] = [
+                    round(mine[rate] / base[rate], 3) if mine.get(rate) and base.get(rate) else None
+                    for mine, base in zip(runs[name], first, strict=True)
+                ]
             results[name].append(row)
     return results
 
 
 NO_RESULT = dict.fromkeys(
-    ("tokens_per_s", "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s", "itl_mean_s")
+    (
+        "tokens_per_s",
+        "decode_tokens_per_s",
+        "ttft_p50_s",
+        "ttft_p95_s",
+        "itl_p50_s",
+        "itl_p95_s",
+        "itl_mean_s",
+        "cpu_ms_per_token",
+    )
 )
 
 
@@ -261,10 +304,14 @@ def ratios(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[dic
         row: dict[str, Any] = {"clients": a["clients"]}
         for key in keys:
             row[key] = round(a[key] / b[key], 3) if a[key] and b[key] else None
-        paired = [1 / r for r in b.get("paired_over_first") or [] if r]
-        if paired:
-            row["tokens_per_s"] = round(statistics.median(paired), 3)
-            row["tokens_per_s_rounds"] = [round(r, 3) for r in paired]
+        for rate, paired_key in (
+            ("tokens_per_s", "paired_over_first"),
+            ("decode_tokens_per_s", "decode_paired_over_first"),
+        ):
+            paired = [1 / r for r in b.get(paired_key) or [] if r]
+            if paired:
+                row[rate] = round(statistics.median(paired), 3)
+                row[f"{rate}_rounds"] = [round(r, 3) for r in paired]
         out.append(row)
     return out
 
@@ -280,6 +327,9 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
     if comparison:
         rows = comparison["ratio_mlxserve_over_mlx_lm"]
         out["generic_tokens_per_s_ratio"] = {r["clients"]: r["tokens_per_s"] for r in rows}
+        out["generic_decode_tokens_per_s_ratio"] = {
+            r["clients"]: r["decode_tokens_per_s"] for r in rows
+        }
         eight = next((r for r in rows if r["clients"] == 8), None)
         out["generic_itl_p50_ratio_at_8"] = eight["itl_p50_s"] if eight else None
         out["generic_itl_mean_ratio_at_8"] = eight["itl_mean_s"] if eight else None

@@ -76,12 +76,13 @@ class Server:
         os.unlink(self.log.name)
 
 
-def mlxserve(model: str, port: int) -> Server:
+def mlxserve(model: str, port: int, extra: tuple[str, ...] = ()) -> Server:
+    """`mlxserve serve` on `model`; `extra` adds flags (``--config``, ``--speculative-depth``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLXSERVE_")}
     if "MLXSERVE_CACHE_DIR" in os.environ:
         env["MLXSERVE_CACHE_DIR"] = os.environ["MLXSERVE_CACHE_DIR"]
     argv = [sys.executable, "-m", "mlxserve", "serve", "--model", model, "--port", str(port)]
-    return Server(argv, port, model, env)
+    return Server([*argv, *extra], port, model, env)
 
 
 def mlx_lm_server(model: str, port: int) -> Server:

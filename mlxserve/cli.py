@@ -72,6 +72,8 @@ def _cli_settings(args: argparse.Namespace) -> dict[str, Any]:
         values["server"]["host"] = args.host
     if getattr(args, "port", None) is not None:
         values["server"]["port"] = args.port
+    if getattr(args, "served_model_name", None):
+        values["server"]["model_name"] = args.served_model_name
     if getattr(args, "cluster", None):
         from mlxserve.hardware.simulate import parse_cluster_spec
 
@@ -255,6 +257,12 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument("--host", help="address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, help="TCP port (default: 8000; 0: any free port)")
     serve.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id clients send and /v1/models lists (server.model_name; default: "
+        "--model); the model's path stays accepted",
+    )
+    serve.add_argument(
         "--speculative-depth",
         type=_depth,
         metavar="{0..5,auto}",
@@ -267,7 +275,9 @@ def _add_serve(commands: Any) -> None:
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from mlxserve.commands.demo_model import run_demo_model
 
-    return run_demo_model(args.out, progress=not args.quiet, deepseek_format=args.deepseek_format)
+    return run_demo_model(
+        args.out, progress=not args.quiet, deepseek_format=args.deepseek_format, dspark=args.dspark
+    )
 
 
 def _add_demo_model(commands: Any) -> None:
@@ -283,6 +293,11 @@ def _add_demo_model(commands: Any) -> None:
         action="store_true",
         help="the variant with DeepSeek-V4's special tokens and no chat template "
         "(prompts from DeepSeek-V4's own encoder)",
+    )
+    demo.add_argument(
+        "--dspark",
+        action="store_true",
+        help="the -0731-style variant: a DSpark draft head in place of the MTP block",
     )
     demo.set_defaults(handler=_cmd_demo_model)
 

@@ -158,6 +158,14 @@ class TuningSettings(_Section):
         "the hyper-connections compiled (mx.compile), larger ones as ops; 0: always the "
         "ops. Default: 64.",
     )
+    compiled_decode_max_rows: int | None = Field(
+        None,
+        ge=0,
+        description="DeepSeek-V4: forwards of at most this many rows (batch x tokens) run "
+        "the layers' small-op chains fused (the attention's projections, norms and "
+        "rotations, the compressors, the router; mx.compile), larger ones as ops; 0: "
+        "always the ops. Default: 64.",
+    )
     split_attention_queries: bool | None = Field(
         None,
         description="DeepSeek-V4: a forward of 2-8 queries (a verify) attends one query at "
@@ -258,7 +266,14 @@ class ServerSettings(_Section):
         "MLXSERVE_API_KEY adds one more key.",
     )
     model_name: str | None = Field(
-        None, description="Model id clients send and /v1/models lists; default: `model`."
+        None,
+        description="The served model name: the id /v1/models lists and clients send as "
+        "`model`; default: `model`. The `model` setting itself (a directory's full path) is "
+        "always accepted too.",
+    )
+    model_aliases: list[str] = Field(
+        default_factory=list,
+        description="More names clients may send as `model`; /v1/models lists them too.",
     )
     max_body_bytes: int = Field(
         4 << 20, ge=1024, description="Largest request body accepted, in bytes (else 413)."
@@ -374,6 +389,20 @@ class ServerSettings(_Section):
     )
     retry_after_s: int = Field(
         1, ge=1, description="Retry-After (seconds) sent with 429 and 503 answers."
+    )
+    status_sample_s: float = Field(
+        2.0,
+        ge=0.05,
+        le=60.0,
+        description="How often the dashboard's history (/status, /v1/status) takes a "
+        "sample of throughput, latency, step times, memory, acceptance and the queue.",
+    )
+    status_history_samples: int = Field(
+        450,
+        ge=10,
+        le=5000,
+        description="Samples the dashboard's history keeps in memory (the newest); "
+        "with status_sample_s, how far back its charts reach.",
     )
     state_dir: Path | None = Field(
         None,

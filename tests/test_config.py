@@ -1,10 +1,14 @@
 """Settings: file < environment < CLI, and one-line errors that name the key."""
 
+import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args, get_origin
 
 import pytest
+from pydantic import BaseModel
 
-from mlxserve.config import load_settings
+from mlxserve.config import Settings, load_settings
 from mlxserve.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,3 +127,64 @@ def test_environment_value_that_beats_the_file_is_named_not_the_file(
         load_settings(path)
     with pytest.raises(UsageError, match=r"^command line: invalid value for 'server.port'"):
         load_settings(path, {"server": {"port": 70000}})
+
+
+# -- config.toml documents every setting -------------------------------------------------
+
+_KEY_LINE = re.compile(r"^#?\s*([a-z_]+)\s*=")
+_SECTION_LINE = re.compile(r"^#?\s*\[\[?([a-z_.]+)\]\]?\s*(#.*)?$")
+
+
+def _setting_paths(
+    model: type[BaseModel], prefix: tuple[str, ...] = ()
+) -> Iterator[tuple[str, ...]]:
+    """Dotted paths of every field the settings model accepts: a model-typed field is a
+    section, a list of models (``[[fallback]]``) is a section of array tables."""
+    for name, field in model.model_fields.items():
+        path = (*prefix, name)
+        annotation = field.annotation
+        inner = get_args(annotation)[0] if get_origin(annotation) is list else None
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            yield from _setting_paths(annotation, path)
+        elif isinstance(inner, type) and issubclass(inner, BaseModel):
+            yield from _setting_paths(inner, path)
+        else:
+            yield path
+
+
+def _documented_keys(text: str) -> set[tuple[str, ...]]:
+    """(section..., key) of every key in config.toml, set or commented out, that has a
+    comment of its own: on its line, or in the lines of its block above it."""
+    found: set[tuple[str, ...]] = set()
+    section: tuple[str, ...] = ()
+    block: list[str] = []
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            block = []
+            continue
+        header = _SECTION_LINE.match(line)
+        if header and "=" not in line:
+            section = tuple(header.group(1).split("."))
+            block = []
+            continue
+        key = _KEY_LINE.match(line)
+        explained = any(not _KEY_LINE.match(prior) for prior in block) or "# " in line.lstrip("#")
+        if key and explained:
+            found.add((*section, key.group(1)))
+        block.append(line)
+    return found
+
+
+def test_config_toml_documents_every_setting() -> None:
+    documented = _documented_keys((REPO / "config.toml").read_text(encoding="utf-8"))
+    missing = [".".join(path) for path in _setting_paths(Settings) if path not in documented]
+    assert not missing, (
+        "settings that config.toml does not document (a key, or a commented-out key, in its "
+        "section with a comment): " + ", ".join(missing)
+    )
+
+
+def test_the_documentation_check_sees_a_missing_key() -> None:
+    text = "[server]\n# Where to listen.\nhost = '127.0.0.1'\n\nport = 1\n"
+    assert _documented_keys(text) == {("server", "host")}

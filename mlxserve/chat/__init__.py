@@ -10,7 +10,7 @@ server: requests come as `ChatRequest`, and what a format cannot honour is `Refu
   the model's format:
   - `template`: the model's chat template, or a plain transcript without one;
   - `deepseek_v4`: DeepSeek-V4's encoder (`encoding`), its DSML tool calls (`dsml`),
-    and a request through them (`format`).
+    and a request through them (`format`); V4.1 as a dialect of them (`dialect`).
 - `tool_calls`: what a tool-call parser gives, and mlx-lm's parsers behind it.
 - `call_grammar`: a forced tool call as a grammar, per call syntax.
 - `output`: the answer split into reasoning, content and tool calls as it streams.

@@ -4,8 +4,9 @@
 with ``parallel_tool_calls``) of the given functions, arguments valid under each
 function's parameter schema, and nothing after them. Two call syntaxes have a
 grammar: mlx-lm's ``json_tools`` (``<tool_call>{"name", "arguments"}</tool_call>``)
-and DeepSeek-V4's DSML. The server checks the grammar against the model's tokenizer
-before the request is admitted (`mlxserve.server.constraints.forced_tool_grammar`).
+and DeepSeek-V4's DSML (in V4's tags or V4.1's spaced ones). The server checks the
+grammar against the model's tokenizer before the request is admitted
+(`mlxserve.server.constraints.forced_tool_grammar`).
 
 JSON is compact (no free whitespace), so a small model cannot pad its answer with
 blank lines until it runs out of tokens.
@@ -17,11 +18,12 @@ import json
 from typing import Any, Literal
 from urllib.parse import quote
 
-from mlxserve.chat.deepseek_v4 import encoding as dsv4
+from mlxserve.chat.deepseek_v4.dialect import BY_STYLE, Dialect
 from mlxserve.chat.request import Function
 
-#: Call syntaxes a forced tool call can be written in.
-ToolStyle = Literal["json_tools", "dsml"]
+#: Call syntaxes a forced tool call can be written in: mlx-lm's ``json_tools``, and
+#: DSML in V4's or V4.1's dialect (`deepseek_v4.dialect`).
+ToolStyle = Literal["json_tools", "dsml", "dsml_v41"]
 #: At most this many calls in one forced answer (parallel_tool_calls).
 MAX_FORCED_CALLS = 8
 #: llguidance's JSON options: no whitespace where JSON allows it.
@@ -100,7 +102,7 @@ def tool_grammar(style: ToolStyle, tools: list[Function], parallel: bool) -> str
         start = f"start: call{{1,{MAX_FORCED_CALLS}}}" if parallel else "start: call"
         grammar = f"{start}\n{call}\n"
     else:
-        grammar = _dsml_grammar(tools, parallel)
+        grammar = _dsml_grammar(BY_STYLE[style], tools, parallel)
     from llguidance import LLMatcher
 
     return str(LLMatcher.grammar_from_lark(grammar))
@@ -130,8 +132,9 @@ def _dsml_string(schema: dict[str, Any], exact: bool) -> str | None:
     return f"/[^<]{{0,{int(limit)}}}/" if isinstance(limit, int) else "/[^<]*/"
 
 
-def _dsml_grammar(tools: list[Function], parallel: bool) -> str:
-    """DeepSeek-V4's DSML block: each parameter raw text (strings) or JSON (the rest).
+def _dsml_grammar(dialect: Dialect, tools: list[Function], parallel: bool) -> str:
+    """DeepSeek-V4's DSML block, in ``dialect``'s tags: each parameter raw text
+    (strings) or JSON (the rest).
 
     A value's JSON schema is embedded alone; one that refers to the function's
     schema (``#/$defs/...``) is embedded as a ``$ref`` into a copy of it."""
@@ -149,19 +152,21 @@ def _dsml_grammar(tools: list[Function], parallel: bool) -> str:
             if raw is None and moved != params:
                 pointer = f"#/$defs/arguments/properties/{_pointer(key)}"
                 schema = {"$defs": {"arguments": moved}, "$ref": pointer}
-            head = f'{dsv4.PARAMETER_START} name="{key}" string="{str(raw is not None).lower()}">'
+            head = (
+                f'{dialect.parameter_start} name="{key}" string="{str(raw is not None).lower()}">'
+            )
             value = raw if raw is not None else f"%json {json.dumps(schema)}"
-            part = f"{_lark_string(head)} {value} {_lark_string(dsv4.PARAMETER_END + chr(10))}"
+            part = f"{_lark_string(head)} {value} {_lark_string(dialect.parameter_end + chr(10))}"
             parts.append(part if key in required else f"({part})?")
         name = f"invoke{index}"
-        head = _lark_string(f'{dsv4.INVOKE_START} name="{tool.name}">\n')
+        head = _lark_string(f'{dialect.invoke_start} name="{tool.name}">\n')
         body = " ".join(parts)
-        rules.append(f"{name}: {head} {body} {_lark_string(dsv4.INVOKE_END + chr(10))}")
+        rules.append(f"{name}: {head} {body} {_lark_string(dialect.invoke_end + chr(10))}")
         invokes.append(name)
     repeat = f"{{1,{MAX_FORCED_CALLS}}}" if parallel else ""
     block = (
-        f"start: {_lark_string(dsv4.TOOL_CALLS_START + chr(10))} invoke{repeat} "
-        f"{_lark_string(dsv4.TOOL_CALLS_END)}\n"
+        f"start: {_lark_string(dialect.calls_start + chr(10))} invoke{repeat} "
+        f"{_lark_string(dialect.calls_end)}\n"
         f"invoke: {' | '.join(invokes)}\n"
     )
     return block + "\n".join(rules) + "\n"

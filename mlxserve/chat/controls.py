@@ -1,15 +1,15 @@
 """A chat request to its prompt: the controls every format shares, then the model's format.
 
 Three prompt formats (`ChatTokenizer.prompt_format`): the model's chat template
-(`template`); DeepSeek-V4's own encoder, for ``deepseek_v4`` models without a
-template (the published checkpoints ship none: `deepseek_v4.format`); a plain
-transcript for base models. The thinking and tool controls mean what each format can
-honour, and a control a format cannot honour is refused by name rather than
-silently dropped (`Refused`):
+(`template`); DeepSeek-V4's own encoder, for ``deepseek_v4`` and ``deepseek_v41``
+models without a template (the published checkpoints ship none: `deepseek_v4.format`;
+V4.1 in its own dialect, `deepseek_v4.dialect`); a plain transcript for base models.
+The thinking and tool controls mean what each format can honour, and a control a
+format cannot honour is refused by name rather than silently dropped (`Refused`):
 
 - DeepSeek-V4 encoder: thinking on or off (default on, or ``[chat] thinking``),
   ``reasoning_effort`` (its levels low / high / max, each checkpoint's prompts:
-  `deepseek_v4.format`), ``drop_thinking``, tools (DSML).
+  `deepseek_v4.format`), ``drop_thinking``, tools (DSML, in the checkpoint's dialect).
 - A template whose vocabulary has ``<think>`` / ``</think>``: thinking on or off is
   passed to the template as ``enable_thinking``; no reasoning effort.
 - A template with a tool-call format mlx-lm knows (``TokenizerWrapper.tool_parser``):
@@ -23,8 +23,8 @@ the engine forces its end marker there); a budget with thinking off is refused.
 
 ``tool_choice`` ``required`` or a named function becomes a grammar (the call syntax
 of the format, the arguments' schema: `call_grammar`) for the syntaxes mlxserve can
-write one for: DSML and mlx-lm's ``json_tools``; another format refuses those two
-choices by name.
+write one for: DSML (V4's and V4.1's) and mlx-lm's ``json_tools``; another format
+refuses those two choices by name.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mlxserve.chat.call_grammar import ToolStyle
+from mlxserve.chat.deepseek_v4.encoding import dialect_of
 from mlxserve.chat.deepseek_v4.format import deepseek_v4_prompt
 from mlxserve.chat.prompt import ChatPrompt, ChatTokenizer, Encode, ForcedCalls
 from mlxserve.chat.request import ChatRequest, Function, NamedTool, Refused
@@ -91,8 +92,9 @@ def build_prompt(
     style: ToolStyle | None
     if tokenizer.prompt_format == "deepseek_v4":
         on = thinking if thinking is not None else default_thinking is not False
-        prompt = deepseek_v4_prompt(body, encode, on, tools, tokenizer.deepseek_release)
-        style = "dsml"
+        release = tokenizer.deepseek_release
+        prompt = deepseek_v4_prompt(body, encode, on, tools, release)
+        style = dialect_of(release).style
     else:
         prompt = template_prompt(
             body, tokenizer, encode, thinking, thinking_field, default_thinking

@@ -2,11 +2,13 @@
 
 `model = "demo"` builds it on first use into the cache directory; this command does the
 same on demand (say, to bake it into an image, or to point `--model` at a fixed path)
-and prints the directory. It never deletes a directory it did not build: an existing,
+and prints the directory (`--dspark`: the -0731-style variant with a DSpark draft
+head, `mlxserve.models.demo.dspark`). It never deletes a directory it did not build: an existing,
 non-empty `--out` must be an earlier demo build (it has the build's marker file).
 """
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from mlxserve.errors import UsageError
@@ -26,13 +28,22 @@ def _check_out_dir(out: Path) -> None:
         raise UsageError(f"cannot use --out {out}: {exc}") from exc
 
 
-def run_demo_model(out: Path | None, progress: bool, deepseek_format: bool = False) -> int:
+def run_demo_model(
+    out: Path | None, progress: bool, deepseek_format: bool = False, dspark: bool = False
+) -> int:
     from mlxserve.models.demo.build import build_demo_model
     from mlxserve.models.demo.deepseek_format import build_deepseek_format_demo
+    from mlxserve.models.demo.dspark import build_dspark_demo
 
+    if deepseek_format and dspark:
+        raise UsageError("--deepseek-format and --dspark are separate variants; pick one")
     if out is not None:
         _check_out_dir(out)
-    build = build_deepseek_format_demo if deepseek_format else build_demo_model
+    build: Callable[..., Path] = build_demo_model
+    if deepseek_format:
+        build = build_deepseek_format_demo
+    elif dspark:
+        build = build_dspark_demo
     try:
         path = build(out, progress=progress)
     except OSError as exc:

@@ -27,6 +27,8 @@ class EngineTuning:
     prefill_queue_every_layers: int = 1
     #: Forwards of at most this many rows run the compiled hyper-connections (0: none).
     compiled_hc_max_rows: int = 64
+    #: Forwards of at most this many rows run DeepSeek-V4's fused layer parts (0: none).
+    compiled_decode_max_rows: int = 64
     #: Forwards of 2-8 queries attend one query at a time, unmasked.
     split_attention_queries: bool = False
     #: Up to this many requests draft together, at `speculative_batch_depth`.

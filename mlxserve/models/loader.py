@@ -12,11 +12,14 @@ repacks them into MLX's ``mxfp8`` / ``mxfp4`` layouts, and ``load_model`` tells
 ``_packed_quantization``).
 
 Before ``mlx_lm`` sees a directory, its safetensors headers are read (no tensor data):
-a broken file, a checkpoint whose weights would not fit in memory, or a published
-variant mlxserve does not serve (``deepseek_v41``) is refused with one line. The model
+a broken file or a checkpoint whose weights would not fit in memory is refused with
+one line. DeepSeek-V4.1 (``deepseek_v41``) is mlx-lm's text model plus mlxserve's
+Engram (``models/deepseek_v41``); the parts it does not serve (vision tower, draft
+head) are named in one log line each, and Engram layers without the release's token
+map are refused. The model
 itself is then built lazily, so a missing or misshapen tensor is refused (one line,
 from ``Model.load_weights`` / ``sanitize``) before any weight is read. DeepSeek-V4-Flash
--0731's DSpark draft head is dropped, with one log line: it serves without drafting.
+-0731's DSpark draft head is loaded (``model.dspark``), with one log line.
 
 Named sources (for example a built-in ``"demo"`` model) can be plugged in with
 ``register_source``; ``load`` consults them before treating ``path`` as a directory
@@ -44,7 +47,10 @@ SourceFactory = Callable[[], ModelAndTokenizer]
 _SOURCES: dict[str, SourceFactory] = {}
 
 #: model_type -> module (with Model and ModelArgs) that mlxserve provides itself.
-_OWN_MODEL_TYPES = {"deepseek_v4": "mlxserve.models.deepseek_v4"}
+_OWN_MODEL_TYPES = {
+    "deepseek_v4": "mlxserve.models.deepseek_v4",
+    "deepseek_v41": "mlxserve.models.deepseek_v41",
+}
 
 
 #: model_types whose ``sanitize`` repacks DeepSeek's FP8 / FP4 weights (``.scale``).
@@ -60,14 +66,6 @@ _MX_QUANTIZATION = {"group_size": 32, "bits": 8, "mode": "mxfp8"}
 #: recognises each from the packed shapes; bf16 experts simply have no ``.scale``).
 _EXPERT_DTYPES = (None, "fp4", "fp8", "bf16")
 
-#: model_types of published DeepSeek checkpoints that are not DeepSeek-V4 and are
-#: refused by name: why, in one phrase.
-_REFUSED_MODEL_TYPES = {
-    "deepseek_v41": (
-        "DeepSeek-V4.1, a different architecture from DeepSeek-V4 (shared-KV "
-        "attention, Engram memory tables, a vision tower)"
-    ),
-}
 
 #: Built-in named sources, registered on first use: name -> "module:function".
 _BUILTIN_SOURCES = {"demo": "mlxserve.models.demo:load_demo"}
@@ -193,19 +191,23 @@ def _packed_quantization(config: dict[str, Any], source: Path) -> dict[str, Any]
     return dict(_MX_QUANTIZATION)
 
 
-def _refuse_other_architectures(config: dict[str, Any], source: Path) -> None:
-    """One line for a published checkpoint that only looks like one we serve."""
-    text_config = config.get("text_config")
-    types = [config.get("model_type")]
-    if isinstance(text_config, dict):
-        types.append(text_config.get("model_type"))
-    for model_type in types:
-        if model_type in _REFUSED_MODEL_TYPES:
-            raise UsageError(
-                f"model {str(source)!r}: model_type {model_type!r} is "
-                f"{_REFUSED_MODEL_TYPES[str(model_type)]}; mlxserve serves 'deepseek_v4' "
-                "checkpoints (DeepSeek-V4-Flash, -Base, -0731)"
-            )
+def _announce_not_served(
+    config: dict[str, Any], tensors: dict[str, TensorInfo], source: Path
+) -> None:
+    """DeepSeek-V4.1: name, once, the parts of the checkpoint that are not served
+    (the vision tower, the draft head), which ``sanitize`` leaves out."""
+    if config.get("model_type") != "deepseek_v41":
+        return
+    from .deepseek_v41.parts import not_served
+
+    for part, count in not_served(list(tensors)).items():
+        log.warning(
+            "model %s: DeepSeek-V4.1's %s (%d tensors) is not served; text only, "
+            "speculative depth 0",
+            source,
+            part,
+            count,
+        )
 
 
 def _size(count: int) -> str:
@@ -227,7 +229,11 @@ def _check_fits(
 ) -> None:
     """Refuse, before anything is read, weights larger than this rank's memory (its
     share of ``split``, default even)."""
-    if config.get("model_type") in _OWN_MODEL_TYPES:
+    if config.get("model_type") == "deepseek_v41":
+        from .deepseek_v41.memory import weight_bytes as v41_weight_bytes
+
+        needed = v41_weight_bytes(tensors, ranks)
+    elif config.get("model_type") in _OWN_MODEL_TYPES:
         from .deepseek_v4.memory import weight_bytes
 
         needed = weight_bytes(tensors, ranks, split=split, rank=rank)
@@ -251,21 +257,19 @@ def _check_fits(
 def _drop_dspark_head(
     config: dict[str, Any], tensors: dict[str, TensorInfo], source: Path
 ) -> dict[str, TensorInfo]:
-    """The tensors that will be loaded: without a DSpark draft head, which is announced."""
+    """The tensors that will be loaded; a DSpark draft head (-0731) is kept and
+    announced: the model drafts with it (``deepseek_v4/dspark.py``)."""
     if config.get("model_type") != "deepseek_v4":
         return tensors
     from .deepseek_v4.dspark import drop_draft_head, has_dspark_head
 
-    if not has_dspark_head(config, tensors):
-        return tensors
-    kept = drop_draft_head(tensors)
-    log.warning(
-        "model %s: DSpark draft head (DeepSeek-V4-Flash-0731, %d tensors) is not "
-        "supported; serving without speculative decoding (MTP off)",
-        source,
-        len(tensors) - len(kept),
-    )
-    return kept
+    if has_dspark_head(config, tensors):
+        log.info(
+            "model %s: DSpark draft head (DeepSeek-V4-Flash-0731, %d tensors) loaded",
+            source,
+            len(tensors) - len(drop_draft_head(tensors)),
+        )
+    return tensors
 
 
 def _read_tensors(directory: Path) -> dict[str, TensorInfo]:
@@ -293,7 +297,6 @@ def preflight(path: str | Path) -> None:
     from mlx_lm.utils import load_config
 
     config = load_config(directory)
-    _refuse_other_architectures(config, directory)
     _packed_quantization(config, directory)
     _read_tensors(directory)
 
@@ -324,7 +327,6 @@ def load_model(
 
     model_path = _resolve(path)
     config: dict[str, Any] = {**load_config(model_path), **(model_config or {})}
-    _refuse_other_architectures(config, model_path)
     quantization = _packed_quantization(config, model_path)
     if quantization is not None:
         model_config = {
@@ -334,6 +336,7 @@ def load_model(
         }
     tensors = _read_tensors(model_path)
     tensors = _drop_dspark_head(config, tensors, model_path)
+    _announce_not_served(config, tensors, model_path)
     _check_fits(config, tensors, model_path, memory_bytes, ranks, split, rank)
     try:
         # Lazily: the checks in sanitize / load_weights run on shapes, before any read.
@@ -347,6 +350,11 @@ def load_model(
         if config.get("model_type") not in _OWN_MODEL_TYPES:
             raise
         raise UsageError(f"model {str(model_path)!r}: {exc}") from None
+    if config.get("model_type") == "deepseek_v41":
+        try:
+            model.set_token_map(model_path)  # Engram layers hash through the release's map
+        except ValueError as exc:
+            raise UsageError(f"model {str(model_path)!r}: {exc}") from None
     if not lazy:
         import mlx.core as mx
 

@@ -29,18 +29,25 @@ def save_record(state_dir: Path, record: CalibrationRecord) -> Path:
     """Write ``record`` atomically; returns its path. OS errors become a `UsageError`."""
     path = record_path(state_dir, record.device_type, record.chip)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(record.model_dump_json(indent=2))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(path, record.model_dump_json(indent=2))
     except OSError as exc:
         raise UsageError(f"cannot write the calibration record under {state_dir}: {exc}") from None
     return path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed into
+    place), making its directory; OS errors propagate. Other records kept in the state
+    directory (`mlxserve.engine.spec.cost_store`) are written this way too."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def load_records(state_dir: Path) -> list[CalibrationRecord]:

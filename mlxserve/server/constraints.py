@@ -116,7 +116,7 @@ def forced_tool_grammar(
         schemas = [parameters_schema(tool)]
         if tool.strict:
             refuse_unstrict(schemas[0], param)
-        if style == "dsml":  # each value's schema is embedded on its own (in DSML's grammar)
+        if style != "json_tools":  # DSML (V4, V4.1): each value's schema is embedded alone
             values = schemas[0].get("properties") or {}
             schemas += [v for v in values.values() if isinstance(v, dict)]
         for schema in schemas:

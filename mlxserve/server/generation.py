@@ -65,6 +65,7 @@ class Delta:
     token_ids: tuple[int, ...] = ()  # the last delta: every completion token
     logprobs: tuple[TokenLogprob, ...] | None = None  # of this delta's tokens, when asked
     stop_string: str | None = None  # the last delta: the stop string that ended the text
+    new_tokens: int = 0  # the tokens this delta's text came from (running usage counts them)
 
 
 class Generations:
@@ -76,6 +77,7 @@ class Generations:
         admission: Admission,
         metrics: Metrics,
         model_name: str,
+        aliases: tuple[str, ...] = (),
         context_length: Callable[[], int | None],
         stop_token_ids: Callable[[], tuple[int, ...]],
         retry_after_s: int,
@@ -85,13 +87,14 @@ class Generations:
         self.admission = admission
         self.metrics = metrics
         self.model_name = model_name
+        self.model_names = (model_name, *aliases)  # what a request may send as `model`
         self.context_length = context_length
         self.stop_token_ids = stop_token_ids
         self.retry_after_s = retry_after_s
         self.vocab_size = tokenizer.vocab_size
 
     def check_model(self, name: str) -> None:
-        if name != self.model_name:
+        if name not in self.model_names:
             raise ModelNotFound(
                 f"the model '{name}' does not exist; this server serves '{self.model_name}'",
                 param="model",
@@ -215,6 +218,7 @@ class Generations:
                             text.push(list(event.token_ids)),
                             backend=job.backend,
                             logprobs=event.logprobs,
+                            new_tokens=len(event.token_ids),
                         )
                         if text.stopped:
                             break
@@ -268,13 +272,14 @@ class Generations:
         self.metrics.duration.observe(time.perf_counter() - arrived)
         speculative = finish.speculative if finish is not None else None
         if finish is not None and finish.memory:
-            self.metrics.record_memory(finish.memory)
+            self.metrics.record_memory(finish.memory, job.backend)
         if speculative:
             chosen = speculative.get("depths_chosen")
             self.metrics.record_speculative(
                 int(speculative.get("drafted", 0)),
                 int(speculative.get("accepted", 0)),
                 {str(k): int(v) for k, v in chosen.items()} if isinstance(chosen, dict) else None,
+                speculative.get("acceptance_rate_per_depth"),
             )
         return Delta(
             tail,

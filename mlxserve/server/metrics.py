@@ -15,13 +15,19 @@ MEMORY_KINDS = (
     "cache_bytes",
     "prefix_cache_bytes",
 )
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+#: Fine enough below a second for the dashboard's percentiles (read from these buckets).
+LATENCY_BUCKETS = (
+    0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25,
+    0.35, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60,
+)  # fmt: skip
 
 
 class Metrics:
     def __init__(self) -> None:
         self._drafted = 0
         self._accepted = 0
+        #: Each backend's memory at its last finished request (``MEMORY_KINDS``).
+        self.backend_memory: dict[str, dict[str, int]] = {}
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "mlxserve_requests",
@@ -82,6 +88,18 @@ class Metrics:
             ["depth"],
             registry=r,
         )
+        self.position_drafted = Counter(
+            "mlxserve_speculative_position_drafted",
+            "MTP rounds that drafted a token at this draft position (1: the first draft)",
+            ["position"],
+            registry=r,
+        )
+        self.position_accepted = Counter(
+            "mlxserve_speculative_position_accepted",
+            "MTP draft tokens accepted at this draft position",
+            ["position"],
+            registry=r,
+        )
         self.acceptance_rate = Gauge(
             "mlxserve_speculative_acceptance_rate",
             "Accepted / drafted MTP tokens since start",
@@ -139,16 +157,32 @@ class Metrics:
             registry=r,
         )
 
-    def record_memory(self, memory: dict[str, int]) -> None:
-        for key, value in memory.items():
-            if key in MEMORY_KINDS:
-                self.engine_memory.labels(key).set(value)
+    def record_memory(self, memory: dict[str, int], backend: str | None = None) -> None:
+        kept = {key: int(value) for key, value in memory.items() if key in MEMORY_KINDS}
+        for key, value in kept.items():
+            self.engine_memory.labels(key).set(value)
+        if backend is not None:
+            self.backend_memory[backend] = kept
 
     def record_speculative(
-        self, drafted: int, accepted: int, depths: dict[str, int] | None = None
+        self,
+        drafted: int,
+        accepted: int,
+        depths: dict[str, int] | None = None,
+        rates_per_position: list[float] | None = None,
     ) -> None:
+        """One request's drafts. ``rates_per_position`` (the engine's acceptance per draft
+        position) with ``depths`` (its rounds per depth) gives counts per position: a round
+        at depth d drafts positions 1..d, so position j was drafted in the rounds at depth
+        >= j."""
         for depth, steps in (depths or {}).items():
             self.depth_steps.labels(depth=depth).inc(steps)
+        for index, rate in enumerate(rates_per_position or []):
+            rounds = sum(n for d, n in (depths or {}).items() if d.isdigit() and int(d) > index)
+            if rounds:
+                position = str(index + 1)
+                self.position_drafted.labels(position).inc(rounds)
+                self.position_accepted.labels(position).inc(round(rate * rounds))
         if drafted <= 0:
             return
         self._drafted += drafted

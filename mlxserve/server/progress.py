@@ -54,8 +54,10 @@ class Console:
         if info.plan and not restart:
             self.say(plan_summary(info.plan))
 
-    def ready(self, url: str, model: str) -> None:
+    def ready(self, url: str, model: str, backends: str = "") -> None:
+        """Once: the URL, and which backends are up (a fallback may serve alone)."""
         if self._announced_ready:
             return
         self._announced_ready = True
-        self.say(f"ready: {url}  (model '{model}'; OpenAI base URL {url}/v1)")
+        more = f"; {backends}" if backends else ""
+        self.say(f"ready: {url}  (model '{model}'; OpenAI base URL {url}/v1{more})")

@@ -58,6 +58,10 @@ class Echoing(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = Field(
+        False,
+        description="vendor extension (as in vLLM): with include_usage, usage on every chunk",
+    )
     include_obfuscation: Literal[False] | None = Field(
         None, description="false only: mlxserve does not pad its events"
     )
@@ -182,6 +186,12 @@ class GenerationBody(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: ``continuous_usage_stats`` counts only with ``include_usage``."""
+        options = self.stream_options
+        return self.include_usage and bool(options and options.continuous_usage_stats)
 
 
 class FunctionDefinition(Echoing):

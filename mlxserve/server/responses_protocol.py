@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from mlxserve.chat.request import ReasoningEffort
 from mlxserve.server.errors import InvalidRequest
@@ -138,7 +138,25 @@ class ResponsesRequest(_Strict):
     service_tier: str | None = Field(None, description="accepted; changes nothing")
     truncation: Literal["disabled"] | None = Field(None, description="only 'disabled'")
     seed: int | None = Field(None, ge=-SEED_RANGE, lt=SEED_RANGE, description="vendor extension")
+    ignore_eos: bool | None = Field(
+        None, description="vendor extension (as in vLLM; GuideLLM sends it): generate past EOS"
+    )
+    stop: str | list[str] | None = Field(
+        None, description="vendor extension (as in vLLM): chat's stop strings"
+    )
     reasoning: ReasoningConfig | None = None
+    include: list[str] | None = Field(
+        None, description="empty only (openai-agents sends []): no extra output is written"
+    )
+
+    @field_validator("include")
+    @classmethod
+    def _include_nothing(cls, value: list[str] | None) -> list[str] | None:
+        """An item asks for output mlxserve does not write (encrypted reasoning, logprobs,
+        search results): refused, so the client is never missing what it asked for."""
+        if value:
+            raise ValueError(f"only [] is supported: mlxserve writes no {value[0]!r}")
+        return value
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
@@ -212,6 +230,8 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
         ("temperature", body.temperature),
         ("top_p", body.top_p),
         ("seed", body.seed),
+        ("ignore_eos", body.ignore_eos),
+        ("stop", body.stop),
     ):
         if value is not None:
             chat[key] = value

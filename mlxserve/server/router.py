@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -62,6 +63,25 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Switch:
+    """Traffic moved from one backend to another (or to the first one up).
+
+    ``kind``: ``failover`` (the active backend failed; traffic went to a later one),
+    ``failback`` (an earlier backend that had served and failed is healthy again),
+    ``up`` (an earlier backend that never served came up: a start, not a recovery),
+    ``first`` (the first backend up), ``none`` (no backend is healthy), ``back`` (the
+    backend that served last is healthy again after none was)."""
+
+    at: float  # wall-clock time (time.time())
+    kind: str
+    from_backend: str | None
+    to_backend: str | None
+
+
+SWITCHES_KEPT = 200  # the newest; a flapping backend must not grow the front's memory
+
+
+@dataclass(frozen=True)
 class RetryPolicy:
     attempts: int = 4
     backoff_s: float = 0.2
@@ -78,11 +98,18 @@ class Router:
         self.closed = False
         self._active: Backend | None = None
         self._last_active: Backend | None = None
+        #: Backends that have been the active one: only those can fail back.
+        self._served: set[str] = set()
+        self.switches: deque[Switch] = deque(maxlen=SWITCHES_KEPT)
         self._health_event = asyncio.Event()  # replaced (after being set) on each change
-        for backend in self.backends:
+        for index, backend in enumerate(self.backends):
             backend.state.listeners.append(self._health_changed)
             metrics.backend_active.labels(backend.name).set(0)
             metrics.backend_healthy.labels(backend.name).set(int(backend.healthy))
+            # Every move that can happen reads 0 until it does (not absent).
+            for later in self.backends[index + 1 :]:
+                metrics.failovers.labels(backend.name, later.name)
+                metrics.failbacks.labels(backend.name)
         self._choose_active()
 
     @property
@@ -103,17 +130,39 @@ class Router:
             return
         for candidate in self.backends:
             self.metrics.backend_active.labels(candidate.name).set(int(candidate is new))
-        previous = self._last_active
-        if new is not None and previous is not None and new is not previous:
-            if self.backends.index(new) > self.backends.index(previous):
-                self.metrics.failovers.labels(previous.name, new.name).inc()
-                log.warning("failover: '%s' -> '%s'", previous.name, new.name)
-            else:
-                self.metrics.failbacks.labels(new.name).inc()
-                log.info("traffic back on '%s'", new.name)
+        self._record(self._last_active, new)
         self._active = new
         if new is not None:
             self._last_active = new
+            self._served.add(new.name)
+
+    def _record(self, previous: Backend | None, new: Backend | None) -> None:
+        """Count and log a move of traffic. A failback is a return to a backend that had
+        served and failed: an earlier backend coming up for the first time (the primary
+        still loading while a fallback already serves) is a start, counted nowhere."""
+        now = time.time()
+        if new is None:
+            if previous is not None:
+                self.switches.append(Switch(now, "none", previous.name, None))
+            return
+        if previous is None:
+            self.switches.append(Switch(now, "first", None, new.name))
+            return
+        if new is previous:  # the only backend up again after none was
+            self.switches.append(Switch(now, "back", None, new.name))
+            log.info("traffic back on '%s'", new.name)
+            return
+        if self.backends.index(new) > self.backends.index(previous):
+            self.metrics.failovers.labels(previous.name, new.name).inc()
+            self.switches.append(Switch(now, "failover", previous.name, new.name))
+            log.warning("failover: '%s' -> '%s'", previous.name, new.name)
+        elif new.name in self._served:
+            self.metrics.failbacks.labels(new.name).inc()
+            self.switches.append(Switch(now, "failback", previous.name, new.name))
+            log.info("traffic back on '%s'", new.name)
+        else:
+            self.switches.append(Switch(now, "up", previous.name, new.name))
+            log.info("'%s' is up: traffic moves to it from '%s'", new.name, previous.name)
 
     def _pick(self, job: Job) -> Backend:
         """The active backend, whichever attempt of ``job`` this is: only a backend's

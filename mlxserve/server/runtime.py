@@ -7,6 +7,8 @@ stops it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -23,6 +25,7 @@ from mlxserve.server.backends.base import Backend
 from mlxserve.server.backends.local import LocalEngine
 from mlxserve.server.backends.remote import RemoteBackend
 from mlxserve.server.generation import Generations
+from mlxserve.server.history import History
 from mlxserve.server.metrics import Metrics
 from mlxserve.server.progress import Console
 from mlxserve.server.router import RetryPolicy, Router
@@ -132,6 +135,14 @@ def group_launcher(
     return functools.partial(launcher_command, hosts, backend)
 
 
+def backends_line(backends: list[Backend]) -> str:
+    """Which backends are up and which are not yet, for the operator's terminal."""
+    up = [f"'{b.name}'" for b in backends if b.healthy]
+    down = [f"'{b.name}'" for b in backends if not b.healthy]
+    line = f"up: {', '.join(up) or 'none'}"
+    return f"{line}; not up yet: {', '.join(down)}" if down else line
+
+
 class Runtime:
     def __init__(
         self,
@@ -146,7 +157,16 @@ class Runtime:
         self.console = console or Console(enabled=False)
         self.metrics = Metrics()
         self.model_name = server.model_name or settings.model
+        #: Every other name a request may send as `model`: the aliases (listed by
+        #: /v1/models), then the model setting itself (a directory's full path) when a
+        #: served name hides it.
+        self.model_aliases = tuple(
+            dict.fromkeys(
+                name for name in (*server.model_aliases, settings.model) if name != self.model_name
+            )
+        )
         self.created = int(time.time())
+        self._announced_up: set[str] = set()
         self.url: str | None = None
         retry = RetryPolicy(
             server.retry_attempts,
@@ -172,10 +192,19 @@ class Runtime:
             admission=self.admission,
             metrics=self.metrics,
             model_name=self.model_name,
+            aliases=self.model_aliases,
             context_length=self.context_length,
             stop_token_ids=self.stop_token_ids,
             retry_after_s=server.retry_after_s,
         )
+        self.history = History(
+            self.metrics,
+            self.router,
+            self.admission,
+            interval_s=server.status_sample_s,
+            keep=server.status_history_samples,
+        )
+        self._history_task: asyncio.Task[None] | None = None
         probe = tokenizer.text_ids(PROBE_TEXT) or tokenizer.eos_token_ids[:1]
         self.supervisor = Supervisor(
             self.router.backends, server, self.metrics, probe, self.console, self._on_healthy
@@ -245,11 +274,26 @@ class Runtime:
         return ready, detail
 
     def _on_healthy(self, backend: Backend) -> None:
-        if self.url is not None:
-            self.console.ready(self.url, self.model_name)
+        """Say "ready" once, naming the backends that are up and those still starting (with
+        a fallback, the fallback may be up first: "ready" must not read as the primary's);
+        then say so when another backend first comes up."""
+        if self.url is None:
+            return
+        if backend.name in self._announced_up:
+            return
+        self._announced_up.add(backend.name)
+        if len(self._announced_up) == 1:
+            self.console.ready(self.url, self.model_name, backends_line(self.backends))
+            return
+        active = self.router.active
+        where = "new requests go to it" if active is backend else "standing by"
+        self.console.say(
+            f"backend '{backend.name}' is up ({where}); {backends_line(self.backends)}"
+        )
 
     async def start(self) -> None:
         await self.supervisor.start()
+        self._history_task = asyncio.create_task(self.history.run(), name="status-history")
 
     async def drain(self, timeout_s: float) -> bool:
         """Stop admitting; let in-flight requests finish within `timeout_s`, then cancel them.
@@ -266,5 +310,9 @@ class Runtime:
         return False
 
     async def stop(self) -> None:
+        if self._history_task is not None:
+            self._history_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._history_task
         self.workers.shutdown()
         await self.supervisor.stop()

@@ -22,8 +22,13 @@ log = logging.getLogger(__name__)
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+#: One encoder for every event: `json.dumps` with options builds a new one per call,
+#: and a streamed answer encodes an event per token.
+_encode = json.JSONEncoder(separators=(",", ":")).encode
+
+
 def event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+    return f"data: {_encode(data)}\n\n"
 
 
 async def _body(chunks: AsyncGenerator[dict[str, Any], None]) -> AsyncIterator[str]:

@@ -67,6 +67,25 @@ def progress_timeout_s(backend: Backend) -> float:
         return 0.0
 
 
+def unreached_overrides(plan: dict[str, Any] | None) -> list[str]:
+    """The overrides of an engine's plan that changed nothing, one line each.
+
+    Why: an override that targets decisions no rank may take (``nax_moe=full`` on a
+    cluster without a NAX rank) is applied to no rank; `policy explain` shows it, and
+    serving must not keep it silent, since the operator believes it is in force."""
+    lines = []
+    for override in (plan or {}).get("overrides", []):
+        if override.get("applied_to") == []:
+            rank = override.get("rank")
+            key = override.get("key") if rank is None else f"{override.get('key')}@{rank}"
+            lines.append(
+                f"override {key}={override.get('value')} ({override.get('source')}) reaches "
+                "no rank: the decisions it targets are not overridable on this cluster "
+                "(mlxserve policy explain shows the plan)"
+            )
+    return lines
+
+
 def incident_kind(exit_code: int | None) -> str:
     if exit_code == WATCHDOG_EXIT:
         return "watchdog"
@@ -144,6 +163,9 @@ class Supervisor:
                     continue
                 starts += 1
                 self.console.engine_up(backend.name, info, time.monotonic() - began, starts > 1)
+                if starts == 1:
+                    for line in unreached_overrides(info.plan):
+                        log.warning("backend '%s': %s", backend.name, line)
             if await self.probe(backend):
                 failures = 0
                 self._healthy(backend)

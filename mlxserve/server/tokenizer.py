@@ -25,6 +25,11 @@ from mlxserve.errors import UsageError
 from mlxserve.server.errors import InvalidRequest
 from mlxserve.server.token_bound import bytes_per_token, min_tokens
 
+#: The model types whose prompts DeepSeek's encoder builds (where there is no template).
+DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v4", "deepseek_v41"})
+#: DeepSeek-V4.1's architecture name in its ``config.json`` (as the fixtures write it).
+V41_ARCHITECTURES = frozenset({"DeepseekV41ForCausalLM"})
+
 #: Texts at least this long are tokenized one at a time (see `FrontTokenizer.text_ids`).
 LONG_TEXT_CHARS = 1 << 20
 
@@ -82,11 +87,13 @@ class FrontTokenizer:
 
     @property
     def prompt_format(self) -> PromptFormat:
-        """How chat prompts are built: the model's template wins; else DeepSeek-V4's
-        own encoder for its model type; else a plain transcript (base models)."""
+        """How chat prompts are built: the model's template wins; else DeepSeek's own
+        encoder for V4 and V4.1 (in V4.1's dialect: `deepseek_release`); else a plain
+        transcript (base models)."""
         if self.has_chat_template:
             return "template"
-        return "deepseek_v4" if self.model_type == "deepseek_v4" else "transcript"
+        deepseek = self.model_type in DEEPSEEK_MODEL_TYPES or self.deepseek_release == "v4.1"
+        return "deepseek_v4" if deepseek else "transcript"
 
     @property
     def think_markers(self) -> tuple[str, str] | None:
@@ -282,12 +289,19 @@ def _config(model_dir: Path) -> dict[str, Any]:
 
 
 def _release(model_dir: Path, config: dict[str, Any]) -> DeepSeekRelease:
-    """``v4-0731`` for a DeepSeek-V4-Flash-0731 checkpoint, else ``v4``: its
-    ``config.json`` has the fields of its DSpark draft head (``dspark_block_size``...,
+    """``v4.1`` for DeepSeek-V4.1 (its ``model_type``, ``deepseek_v41``, or its
+    ``architectures``: V4.1 has its own prompt dialect, whatever draft head it has);
+    ``v4-0731`` for a DeepSeek-V4-Flash-0731 checkpoint: its ``config.json`` has the
+    fields of its DSpark draft head (``dspark_block_size``...,
     `mlxserve.models.deepseek_v4.dspark.has_dspark_head`), or its directory's name says
-    ``0731`` (a conversion that dropped the draft head, as ``...-Flash-0731-4bit``)."""
+    ``0731`` (a conversion that dropped the draft head, as ``...-Flash-0731-4bit``);
+    else ``v4``."""
     from mlxserve.models.deepseek_v4.dspark import has_dspark_head
 
+    architectures = config.get("architectures")
+    named = set(architectures) if isinstance(architectures, list) else set()
+    if config.get("model_type") == "deepseek_v41" or named & V41_ARCHITECTURES:
+        return "v4.1"
     if has_dspark_head(config) or "0731" in model_dir.resolve().name:
         return "v4-0731"
     return "v4"

@@ -45,3 +45,18 @@ def test_refuses_a_directory_it_did_not_build(
     assert (tmp_path / "notes.txt").read_text() == "keep me"
     assert main(["demo-model", "--out", str(tmp_path / "notes.txt"), "--quiet"]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_dspark_variant_loads_with_its_head_and_no_mtp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlxserve.models.deepseek_v4.dspark import head_of
+
+    out = tmp_path / "dspark"
+    assert main(["demo-model", "--dspark", "--out", str(out), "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    model, _ = load(str(out))
+    head = head_of(model)
+    assert model.num_mtp_blocks == 0 and head is not None and head.spec.block_size == 4
+    assert main(["demo-model", "--dspark", "--deepseek-format", "--quiet"]) == 2
+    assert "pick one" in capsys.readouterr().err

@@ -159,6 +159,8 @@ def published_names(name: str, experts: int) -> list[str]:
     name = name.removeprefix("model.")
     for mlx_name, ds_name in RENAMES:
         name = name.replace(mlx_name, ds_name)
+    if name.endswith(".attn.norm.weight"):  # the attention's kv norm, as published
+        name = name.removesuffix(".norm.weight") + ".kv_norm.weight"
     if is_expert_stack(name):
         block, proj = name.split(".ffn.switch_mlp.")
         w = _EXPERT_NAMES[proj.removesuffix(".weight")]

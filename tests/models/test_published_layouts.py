@@ -107,26 +107,31 @@ def test_published_layout_matches_the_float_reference(
     assert weight_bytes(read_checkpoint(packed)) == params
 
 
-def test_0731_serves_without_its_dspark_head_and_says_so(
+def test_0731_loads_its_dspark_head_and_says_so(
     tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The published -0731 checkpoint (FP8 / FP4 head too): its DSpark head is loaded
+    (``model.dspark``, `tests/models/test_dspark.py`), so the engine drafts with it."""
+    from mlxserve.models.deepseek_v4.dspark import head_of
+
     packed, floats, _ = _fixture("0731", tmp_path_factory)
-    with caplog.at_level(logging.WARNING, logger="mlxserve.models.loader"):
+    with caplog.at_level(logging.INFO, logger="mlxserve.models.loader"):
         model, _ = load_model(packed)
     lines = [r.getMessage() for r in caplog.records if r.name == "mlxserve.models.loader"]
     assert len(lines) == 1, lines
-    assert "DSpark" in lines[0] and "MTP off" in lines[0] and "\n" not in lines[0]
-    assert model.num_mtp_blocks == 0
-    assert speculative_depth(Settings(), model) == 0  # the engine drafts nothing
-    assert speculative_depth(Settings(speculative={"depth": 3}), model) == 0
+    assert "DSpark" in lines[0] and "loaded" in lines[0] and "\n" not in lines[0]
+    assert model.num_mtp_blocks == 0 and head_of(model) is not None
+    assert speculative_depth(Settings(), model) == "auto"
+    assert speculative_depth(Settings(speculative={"depth": 3}), model) == 3
 
     expected, _ = load_model(floats)
     tokens = mx.array(TOKENS)
     (got,), (want,) = _logits(model, tokens), _logits(expected, tokens)
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item(), mx.abs(got - want).max()
-    # The dropped head is not counted against memory either.
-    kept = {n: i for n, i in read_checkpoint(packed).items() if not n.startswith("mtp.")}
-    assert weight_bytes(kept) == sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    # The head is counted against memory, byte for byte.
+    assert weight_bytes(read_checkpoint(packed)) == sum(
+        v.nbytes for _, v in tree_flatten(model.parameters())
+    )
 
 
 def test_dspark_head_is_recognised_by_its_tensors_alone(
@@ -143,33 +148,6 @@ def _one_line(exc: pytest.ExceptionInfo[UsageError]) -> str:
     text = str(exc.value)
     assert "\n" not in text and len(text) < 400, text
     return text
-
-
-def test_deepseek_v41_is_refused_by_name(tmp_path: Path) -> None:
-    configs = (
-        {"model_type": "deepseek_v41", "num_hidden_layers": 40},
-        {"model_type": "deepseek_v41_vl", "text_config": {"model_type": "deepseek_v41"}},
-    )
-    for index, config in enumerate(configs):
-        directory = tmp_path / str(index)
-        directory.mkdir()
-        (directory / "config.json").write_text(json.dumps(config))
-        with pytest.raises(UsageError) as info:
-            load_model(directory)
-        text = _one_line(info)
-        assert "'deepseek_v41'" in text and "different architecture" in text
-
-
-def test_deepseek_v41_exits_2_from_the_cli(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from mlxserve.cli import main
-
-    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v41"}')
-    code = main(["generate", "--model", str(tmp_path), "--prompt", "hi"])
-    err = capsys.readouterr().err.strip()
-    assert code == 2
-    assert err.count("\n") == 0 and "deepseek_v41" in err, err
 
 
 def _with(ck: Any, **changes: tuple[str, tuple[int, ...], bytes] | None) -> dict[str, Any]:

@@ -124,3 +124,26 @@ def test_a_request_failure_is_not_unavailability() -> None:
     """Retries are for `BackendUnavailable` only; the request's own failure is not one."""
     assert not issubclass(BackendRequestFailed, BackendUnavailable)
     assert not issubclass(BackendRejected, BackendUnavailable)
+
+
+def test_counters_start_at_zero_and_a_primary_that_comes_up_late_is_no_failback() -> None:
+    """The fallback serves while the primary loads; the primary then coming up moves
+    traffic to it, but nothing failed and nothing came back: both counters stay 0."""
+    metrics = Metrics()
+    primary, fallback = FakeBackend("primary"), FakeBackend("fallback").up()
+    router = Router([primary, fallback], FAST, metrics)
+    text = metrics.render().decode()
+    assert 'mlxserve_failbacks_total{to_backend="primary"} 0.0' in text
+    assert 'mlxserve_failovers_total{from_backend="primary",to_backend="fallback"} 0.0' in text
+    assert router.active is fallback
+    primary.up()
+    assert router.active is primary
+    assert counter(metrics, "mlxserve_failbacks_total") == 0
+    assert counter(metrics, "mlxserve_failovers_total") == 0
+    assert [s.kind for s in router.switches] == ["first", "up"]
+    primary.fail()
+    primary.up()
+    assert counter(metrics, "mlxserve_failovers_total") == 1
+    assert counter(metrics, "mlxserve_failbacks_total") == 1
+    kinds = [(s.kind, s.from_backend, s.to_backend) for s in router.switches]
+    assert kinds[2:] == [("failover", "primary", "fallback"), ("failback", "fallback", "primary")]

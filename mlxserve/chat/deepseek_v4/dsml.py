@@ -1,6 +1,9 @@
 # ruff: noqa: RUF002
 """DeepSeek-V4's tool calls (DSML) read back from the model's streamed answer.
 
+V4.1 writes the same blocks with its own tag names (``<｜DSML｜ calls>``...): the
+parser takes the dialect (`dialect`).
+
 The model writes its calls after its answer text and a blank line::
 
     Let me look.
@@ -27,37 +30,29 @@ from __future__ import annotations
 import json
 import re
 
-from mlxserve.chat.deepseek_v4.encoding import (
-    INVOKE_END,
-    INVOKE_START,
-    PARAMETER_END,
-    PARAMETER_START,
-    TOOL_CALLS_END,
-    TOOL_CALLS_START,
-    to_json,
-)
+from mlxserve.chat.deepseek_v4.dialect import V4, Dialect
+from mlxserve.chat.deepseek_v4.encoding import to_json
 from mlxserve.chat.tool_calls import ParsedToolCall, Text, ToolOutput, partial_suffix
 
 _INVOKE_HEAD = re.compile(r'\s*name="([^"]+)">')
 _PARAMETER_HEAD = re.compile(r'\s*name="([^"]+)"\s+string="(true|false)">')
-#: What the text before a block may end with, held back until the next piece decides.
-_BLOCK_OPENINGS = ("\n\n" + TOOL_CALLS_START, "\n" + TOOL_CALLS_START, TOOL_CALLS_START)
 
 
 class MalformedDsml(ValueError):
     pass
 
 
-def parse_block(body: str) -> list[ParsedToolCall]:
-    """The calls of one block's body (between the block markers, none in an empty one);
-    raises `MalformedDsml`."""
+def parse_block(body: str, dialect: Dialect = V4) -> list[ParsedToolCall]:
+    """The calls of one block's body (between the block markers, none in an empty one),
+    in ``dialect``'s tags; raises `MalformedDsml`."""
+    d = dialect
     calls: list[ParsedToolCall] = []
     rest = body
     while rest.strip():
         rest = rest.lstrip()
-        if not rest.startswith(INVOKE_START):
-            raise MalformedDsml(f"expected {INVOKE_START}, got {rest[:40]!r}")
-        head = _INVOKE_HEAD.match(rest, len(INVOKE_START))
+        if not rest.startswith(d.invoke_start):
+            raise MalformedDsml(f"expected {d.invoke_start}, got {rest[:40]!r}")
+        head = _INVOKE_HEAD.match(rest, len(d.invoke_start))
         if head is None:
             raise MalformedDsml("an invoke without a name")
         name, rest = head.group(1), rest[head.end() :]
@@ -65,13 +60,13 @@ def parse_block(body: str) -> list[ParsedToolCall]:
         seen: set[str] = set()
         while True:
             rest = rest.lstrip()
-            if rest.startswith(INVOKE_END):
-                rest = rest[len(INVOKE_END) :]
+            if rest.startswith(d.invoke_end):
+                rest = rest[len(d.invoke_end) :]
                 break
-            if not rest.startswith(PARAMETER_START):
-                raise MalformedDsml(f"expected a parameter or {INVOKE_END} in '{name}'")
-            param = _PARAMETER_HEAD.match(rest, len(PARAMETER_START))
-            end = rest.find(PARAMETER_END)
+            if not rest.startswith(d.parameter_start):
+                raise MalformedDsml(f"expected a parameter or {d.invoke_end} in '{name}'")
+            param = _PARAMETER_HEAD.match(rest, len(d.parameter_start))
+            end = rest.find(d.parameter_end)
             if param is None or end < param.end():
                 raise MalformedDsml(f"a malformed parameter in '{name}'")
             key, is_string, raw = param.group(1), param.group(2), rest[param.end() : end]
@@ -81,7 +76,7 @@ def parse_block(body: str) -> list[ParsedToolCall]:
             fragments.append(
                 ("{" if not fragments else ", ") + f"{to_json(key)}: {_value(raw, is_string)}"
             )
-            rest = rest[end + len(PARAMETER_END) :]
+            rest = rest[end + len(d.parameter_end) :]
         fragments.append("}" if fragments else "{}")
         calls.append(ParsedToolCall(name, tuple(fragments)))
     return calls
@@ -104,9 +99,14 @@ def _line_breaks(text: str) -> str:
 
 
 class DsmlParser:
-    """`ToolCallParser` for DSML: text streams through, blocks become calls."""
+    """`ToolCallParser` for DSML in ``dialect``'s tags (V4's, or V4.1's spaced ones):
+    text streams through, blocks become calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, dialect: Dialect = V4) -> None:
+        self._dialect = dialect
+        start = dialect.calls_start
+        #: What the text before a block may end with, held back until the next piece decides.
+        self._openings = ("\n\n" + start, "\n" + start, start)
         self._text = ""  # content not yet released
         self._block: str | None = None  # inside a block: what followed its start marker
         self._gap = ""  # the line breaks before the open block
@@ -126,23 +126,23 @@ class DsmlParser:
                     if not self._text:
                         return out
                     self._after_block = False
-                start = self._text.find(TOOL_CALLS_START)
+                start = self._text.find(self._dialect.calls_start)
                 if start < 0:
                     break
                 before = self._text[:start]
                 self._gap = _line_breaks(before)
                 if len(before) > len(self._gap):
                     out.append(Text(before[: len(before) - len(self._gap)]))
-                self._block = self._text[start + len(TOOL_CALLS_START) :]
+                self._block = self._text[start + len(self._dialect.calls_start) :]
                 self._text = ""
-            end = self._block.find(TOOL_CALLS_END)
+            end = self._block.find(self._dialect.calls_end)
             if end < 0:
                 return out
-            body, after = self._block[:end], self._block[end + len(TOOL_CALLS_END) :]
+            body, after = self._block[:end], self._block[end + len(self._dialect.calls_end) :]
             self._block = None
             out.extend(self._close(body))
             self._text = after
-        held = max(partial_suffix(self._text, opening) for opening in _BLOCK_OPENINGS)
+        held = max(partial_suffix(self._text, opening) for opening in self._openings)
         if len(self._text) > held:
             out.append(Text(self._text[: len(self._text) - held]))
             self._text = self._text[len(self._text) - held :]
@@ -150,9 +150,10 @@ class DsmlParser:
 
     def _close(self, body: str) -> list[ToolOutput]:
         try:
-            calls = parse_block(body)
+            calls = parse_block(body, self._dialect)
         except MalformedDsml:
-            raw = self._gap + TOOL_CALLS_START + body + TOOL_CALLS_END
+            d = self._dialect
+            raw = self._gap + d.calls_start + body + d.calls_end
             self._gap = ""
             return [Text(raw, malformed=True)]
         self._gap = ""
@@ -163,7 +164,7 @@ class DsmlParser:
     def finish(self) -> list[ToolOutput]:
         out: list[ToolOutput] = []
         if self._block is not None:  # never closed
-            out.append(Text(self._gap + TOOL_CALLS_START + self._block, malformed=True))
+            out.append(Text(self._gap + self._dialect.calls_start + self._block, malformed=True))
             self._block, self._gap = None, ""
         if self._text:
             out.append(Text(self._text))

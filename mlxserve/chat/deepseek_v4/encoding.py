@@ -34,6 +34,13 @@ The format, in short:
   encode: the ``latest_reminder`` role (``<｜latest_reminder｜>`` and its text: a date,
   a place) and a user message's quick-instruction ``task``, whose marker ends the turn
   in place of the assistant's opening (``action``: after it).
+
+DeepSeek-V4.1 (``release="v4.1"``) is the same format in its own dialect
+(`dialect.V4_1`, from its reference ``encoding/encoding.py``): spaced DSML tag
+names, ``<｜System｜>`` before the leading system text (and before the effort line,
+``Reasoning Effort: N (range 1-100, ...)``, which thinking mode always writes), and
+system messages mid-conversation, each after ``<｜System｜>`` and answered as a user
+turn is. It has no developer role.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
+from mlxserve.chat.deepseek_v4.dialect import V4, V4_1, Dialect
+
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
 USER = "<｜User｜>"
@@ -51,13 +60,13 @@ LATEST_REMINDER = "<｜latest_reminder｜>"
 THINK_START = "<think>"
 THINK_END = "</think>"
 
-DSML = "｜DSML｜"
-TOOL_CALLS_START = f"<{DSML}tool_calls>"
-TOOL_CALLS_END = f"</{DSML}tool_calls>"
-INVOKE_START = f"<{DSML}invoke"
-INVOKE_END = f"</{DSML}invoke>"
-PARAMETER_START = f"<{DSML}parameter"
-PARAMETER_END = f"</{DSML}parameter>"
+#: V4's DSML markers (V4.1 spells them its own way: `dialect`).
+TOOL_CALLS_START = V4.calls_start
+TOOL_CALLS_END = V4.calls_end
+INVOKE_START = V4.invoke_start
+INVOKE_END = V4.invoke_end
+PARAMETER_START = V4.parameter_start
+PARAMETER_END = V4.parameter_end
 
 #: The directive that reasoning effort "max" puts before everything else (-0731: "high").
 REASONING_EFFORT_MAX = (
@@ -80,6 +89,14 @@ REASONING_EFFORT_BEYOND_MAX = (
     "angles and are certain that no assumption remains unchecked and no error remains "
     "undiscovered.\n\n"
 )
+
+#: V4.1's effort line: a number from 1 to 100 (`effort_prompt`).
+REASONING_EFFORT_BUDGET = (
+    "Reasoning Effort: {budget} "
+    "(range 1-100, the higher the value, the more thorough the reasoning)\n\n"
+)
+#: V4.1's number for each named effort; unset is "high".
+V41_EFFORT_BUDGETS: dict[str, int] = {"low": 50, "high": 75, "max": 100}
 
 _TOOLS_SECTION = """## Tools
 
@@ -120,9 +137,9 @@ _RESPONSE_FORMAT_SECTION = (
 Role = Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
 ReasoningEffort = Literal["low", "high", "max"]
 REASONING_EFFORTS: tuple[ReasoningEffort, ...] = ("low", "high", "max")
-#: The checkpoints whose effort prompts differ: V4 as first published, and -0731
-#: (`effort_prompt`).
-DeepSeekRelease = Literal["v4", "v4-0731"]
+#: The checkpoints whose prompts differ: V4 as first published, -0731 (its effort
+#: prompts: `effort_prompt`), and V4.1 (its own dialect and numeric effort).
+DeepSeekRelease = Literal["v4", "v4-0731", "v4.1"]
 Task = Literal["action", "query", "authority", "domain", "title", "read_url"]
 #: Each quick-instruction task's marker.
 TASKS: dict[str, str] = {task: f"<｜{task}｜>" for task in get_args(Task)}
@@ -184,23 +201,23 @@ def to_json(value: Any) -> str:
         return json.dumps(value, ensure_ascii=True)
 
 
-def render_tools(tools: Sequence[Mapping[str, Any]]) -> str:
+def render_tools(tools: Sequence[Mapping[str, Any]], dialect: Dialect = V4) -> str:
     """The "## Tools" section: the call syntax and each function object on one line."""
     return _TOOLS_SECTION.format(
-        calls=TOOL_CALLS_START,
-        calls_end=TOOL_CALLS_END,
-        invoke=INVOKE_START,
-        invoke_end=INVOKE_END,
-        parameter=PARAMETER_START,
-        parameter_end=PARAMETER_END,
+        calls=dialect.calls_start,
+        calls_end=dialect.calls_end,
+        invoke=dialect.invoke_start,
+        invoke_end=dialect.invoke_end,
+        parameter=dialect.parameter_start,
+        parameter_end=dialect.parameter_end,
         think=THINK_START,
         think_end=THINK_END,
         schemas="\n".join(to_json(dict(tool)) for tool in tools),
     )
 
 
-def render_tool_calls(calls: Sequence[ToolCall]) -> str:
-    """Calls as the model writes them: one ``tool_calls`` block, one ``invoke`` per call.
+def render_tool_calls(calls: Sequence[ToolCall], dialect: Dialect = V4) -> str:
+    """Calls as the model writes them: one calls block, one ``invoke`` per call.
 
     Arguments that are not a JSON object are kept whole under the key ``arguments``,
     as the reference does, rather than lost.
@@ -214,12 +231,14 @@ def render_tool_calls(calls: Sequence[ToolCall]) -> str:
         if not isinstance(arguments, dict):
             arguments = {"arguments": arguments}
         parameters = "\n".join(
-            f'{PARAMETER_START} name="{key}" string="{str(isinstance(value, str)).lower()}">'
-            f"{value if isinstance(value, str) else to_json(value)}{PARAMETER_END}"
+            f'{dialect.parameter_start} name="{key}" string="{str(isinstance(value, str)).lower()}"'
+            f">{value if isinstance(value, str) else to_json(value)}{dialect.parameter_end}"
             for key, value in arguments.items()
         )
-        invokes.append(f'{INVOKE_START} name="{call.name}">\n{parameters}\n{INVOKE_END}')
-    return f"{TOOL_CALLS_START}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_END}"
+        invokes.append(
+            f'{dialect.invoke_start} name="{call.name}">\n{parameters}\n{dialect.invoke_end}'
+        )
+    return f"{dialect.calls_start}\n" + "\n".join(invokes) + f"\n{dialect.calls_end}"
 
 
 def _attach(
@@ -296,13 +315,27 @@ def _order_results(turns: list[_Turn]) -> None:
             ]
 
 
-def _last_user(turns: Sequence[_Turn]) -> int:
-    return max((i for i, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
+def dialect_of(release: DeepSeekRelease) -> Dialect:
+    """The strings a checkpoint spells its way: V4.1's, or V4's (-0731 included)."""
+    return V4_1 if release == "v4.1" else V4
 
 
-def _drop_old_reasoning(turns: list[_Turn]) -> list[_Turn]:
+def _answered(turns: Sequence[_Turn], i: int, dialect: Dialect) -> bool:
+    """Whether the assistant answers turn ``i``: a user or developer turn, and in V4.1 a
+    system message after the first (V4.1's mid-conversation system messages)."""
+    role = turns[i].role
+    return role in ("user", "developer") or (
+        dialect.system_token is not None and role == "system" and i > 0
+    )
+
+
+def _last_user(turns: Sequence[_Turn], dialect: Dialect) -> int:
+    return max((i for i in range(len(turns)) if _answered(turns, i, dialect)), default=-1)
+
+
+def _drop_old_reasoning(turns: list[_Turn], dialect: Dialect) -> list[_Turn]:
     """Before the last user turn: assistant reasoning goes, developer turns go."""
-    last = _last_user(turns)
+    last = _last_user(turns, dialect)
     kept: list[_Turn] = []
     for i, turn in enumerate(turns):
         if i >= last or turn.role in ("user", "system", "latest_reminder"):
@@ -312,14 +345,19 @@ def _drop_old_reasoning(turns: list[_Turn]) -> list[_Turn]:
     return kept
 
 
-def _render(turn: _Turn, thinking: bool, keep_reasoning: bool) -> str:
+def _render(
+    turn: _Turn, thinking: bool, keep_reasoning: bool, dialect: Dialect, first: bool
+) -> str:
     if turn.role in ("system", "developer"):
         text = turn.text
         if turn.tools:
-            text += "\n\n" + render_tools(turn.tools)
+            text += "\n\n" + render_tools(turn.tools, dialect)
         if turn.response_format:
             text += "\n\n" + _RESPONSE_FORMAT_SECTION + to_json(dict(turn.response_format))
-        return text if turn.role == "system" else USER + text
+        if turn.role == "developer":
+            return USER + text
+        # V4.1: the first system message's token leads the prompt (`encode`).
+        return (dialect.system_token or "") + text if not first else text
     if turn.role == "latest_reminder":
         return LATEST_REMINDER + turn.text
     if turn.role == "user":
@@ -329,29 +367,38 @@ def _render(turn: _Turn, thinking: bool, keep_reasoning: bool) -> str:
         ]
         return USER + "\n\n".join(parts)
     reasoning = (turn.reasoning or "") + THINK_END if thinking and keep_reasoning else ""
-    calls = "\n\n" + render_tool_calls(turn.tool_calls) if turn.tool_calls else ""
+    calls = "\n\n" + render_tool_calls(turn.tool_calls, dialect) if turn.tool_calls else ""
     return reasoning + turn.text + calls + EOS
 
 
-def _opening(turn: _Turn, thinking: bool, opens: bool) -> str:
+def _opening(turn: _Turn, thinking: bool, opens: bool, answered: bool) -> str:
     """What ends a turn the assistant answers: its task's marker, or the assistant's
     opening (``<think>`` where ``opens``)."""
     if turn.task == "action":
         return ASSISTANT + (THINK_START if thinking else THINK_END) + TASKS[turn.task]
     if turn.task is not None:
         return TASKS[turn.task]
-    if turn.role in ("user", "developer"):
+    if answered:
         return ASSISTANT + (THINK_START if opens else THINK_END)
     return ""
 
 
-def effort_prompt(effort: ReasoningEffort | None, release: DeepSeekRelease = "v4") -> str:
+def effort_prompt(effort: ReasoningEffort | int | None, release: DeepSeekRelease = "v4") -> str:
     """The directive a reasoning effort puts before everything else (thinking mode).
 
     V4 has one: "max"'s ("Absolute maximum"); "low", "high" and unset have none.
     -0731 moved it down to "high", and "max" has a stronger one ("Beyond maximum");
-    "low" and unset have none (as vLLM's -0731 encoding tests assert).
+    "low" and unset have none (as vLLM's -0731 encoding tests assert). V4.1 always
+    has one, a number from 1 to 100: "low" 50, "high" (and unset) 75, "max" 100, or
+    the number given.
     """
+    if release == "v4.1":
+        budget = effort if isinstance(effort, int) else V41_EFFORT_BUDGETS[effort or "high"]
+        if isinstance(budget, bool) or not 1 <= budget <= 100:
+            raise PromptError(f"reasoning effort {effort!r}: V4.1 takes 1 to 100")
+        return REASONING_EFFORT_BUDGET.format(budget=budget)
+    if isinstance(effort, int):
+        raise PromptError(f"reasoning effort {effort}: only V4.1 takes a number")
     if release == "v4-0731":
         return {"high": REASONING_EFFORT_MAX, "max": REASONING_EFFORT_BEYOND_MAX}.get(
             effort or "", ""
@@ -365,7 +412,7 @@ def encode(
     thinking: bool,
     tools: Sequence[Mapping[str, Any]] = (),
     response_format: Mapping[str, Any] | None = None,
-    reasoning_effort: ReasoningEffort | None = None,
+    reasoning_effort: ReasoningEffort | int | None = None,
     drop_thinking: bool = True,
     release: DeepSeekRelease = "v4",
 ) -> str:
@@ -375,26 +422,45 @@ def encode(
     ``tools`` are OpenAI function objects (``name``, ``description``, ``parameters``)
     and ``response_format`` a JSON schema, the request's: they go on a leading system
     message (`_attach`). ``reasoning_effort`` matters in thinking mode only, its
-    directive per checkpoint (``release``, `effort_prompt`).
+    directive per checkpoint (``release``, `effort_prompt`). ``release`` also picks the
+    dialect (`dialect_of`): V4.1's system token leads the prompt where there is an
+    effort line or a leading system message, and comes before each later system
+    message, which the assistant then answers.
     """
-    if not messages or messages[-1].role not in ("user", "developer", "tool", "assistant"):
-        raise PromptError(
-            "the conversation must end with a user, developer, tool or assistant message"
+    dialect = dialect_of(release)
+    if dialect.system_token is None:
+        endings = "a user, developer, tool or assistant message"
+        ends = bool(messages) and messages[-1].role in ("user", "developer", "tool", "assistant")
+    else:  # V4.1: a system message after the first is answered too
+        if any(m.role == "developer" for m in messages):
+            raise PromptError(
+                "DeepSeek-V4.1's format has no developer role; send it as a system message"
+            )
+        endings = "a user, tool or assistant message, or a system message after the first"
+        ends = bool(messages) and (
+            messages[-1].role in ("user", "tool", "assistant")
+            or (messages[-1].role == "system" and len(messages) > 1)
         )
+    if not ends:
+        raise PromptError(f"the conversation must end with {endings}")
     messages = _attach(messages, tools, response_format)
     turns = _fold(messages)
     drop = drop_thinking and not any(message.tools for message in messages)
     if thinking and drop:
-        turns = _drop_old_reasoning(turns)
-    last_user = _last_user(turns)
+        turns = _drop_old_reasoning(turns, dialect)
+    last_user = _last_user(turns, dialect)
+    head = effort_prompt(reasoning_effort, release)
     prompt = BOS
+    if dialect.system_token is not None and ((thinking and head) or turns[0].role == "system"):
+        prompt += dialect.system_token
     if thinking:
-        prompt += effort_prompt(reasoning_effort, release)
+        prompt += head
     for i, turn in enumerate(turns):
         after_task = i > 0 and turns[i - 1].task is not None  # a task's answer: no reasoning
         keep = (not drop or i > last_user) and not after_task
-        prompt += _render(turn, thinking, keep_reasoning=keep)
+        prompt += _render(turn, thinking, keep_reasoning=keep, dialect=dialect, first=i == 0)
         following = turns[i + 1].role if i + 1 < len(turns) else None
         if following in (None, "assistant", "latest_reminder"):
-            prompt += _opening(turn, thinking, opens=thinking and (not drop or i >= last_user))
+            opens = thinking and (not drop or i >= last_user)
+            prompt += _opening(turn, thinking, opens, _answered(turns, i, dialect))
     return prompt

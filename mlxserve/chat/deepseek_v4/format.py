@@ -1,13 +1,17 @@
-"""A chat request through DeepSeek-V4's encoder, for ``deepseek_v4`` models without a template.
+"""A chat request through DeepSeek-V4's encoder, for ``deepseek_v4`` and ``deepseek_v41``
+models without a template.
 
 The published checkpoints ship no chat template: the prompt is DeepSeek-V4's own
 format (`encoding`), with thinking on or off, ``reasoning_effort`` (`EFFORT_LEVELS`),
 ``drop_thinking``, tools, whose calls the answer writes in DSML (`dsml`), and a
 ``json_schema`` response format's schema, which the prompt shows as the reference does.
+The checkpoint (``release``) picks the effort prompts and, for V4.1, its dialect: its
+system token and spaced DSML tags, in the prompt and in the parser of the answer.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from mlxserve.chat.deepseek_v4 import encoding as dsv4
@@ -17,7 +21,8 @@ from mlxserve.chat.request import ChatRequest, Message, ReasoningEffort, Refused
 
 #: The model's effort level each ``reasoning_effort`` asks for, as DeepSeek's API maps
 #: them (its thinking-mode guide): OpenAI's levels and DeepSeek's ``ultra`` fold into
-#: low / high / max, whose prompts depend on the checkpoint (`encoding.effort_prompt`).
+#: low / high / max, whose prompts depend on the checkpoint (`encoding.effort_prompt`:
+#: V4.1 writes them as its numbers 50 / 75 / 100).
 EFFORT_LEVELS: dict[ReasoningEffort, dsv4.ReasoningEffort] = {
     "minimal": "low",
     "low": "low",
@@ -57,7 +62,7 @@ def deepseek_v4_prompt(
         encode(text),
         text,
         reasoning_end=dsv4.THINK_END if thinking else None,
-        tool_parser=DsmlParser if tools else None,
+        tool_parser=partial(DsmlParser, dsv4.dialect_of(release)) if tools else None,
     )
 
 

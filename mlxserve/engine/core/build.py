@@ -1,18 +1,22 @@
 """Assemble an engine from settings and a plan: load, apply the kernel policy, pick the
 adapter, and resolve the tuning for this device."""
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
 
-from mlxserve.config import Settings
+from mlxserve.config import Settings, state_dir
 from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import ModelAdapter, PlainAdapter
 from mlxserve.engine.sample.grammar import Grammars
+from mlxserve.engine.spec.cost_store import CostsPlace, run_identity
+from mlxserve.engine.spec.dspark import DSparkAdapter
 from mlxserve.engine.spec.mtp import MAX_DRAFT_DEPTH, MTPAdapter
 from mlxserve.hardware.tuning import EngineTuning, tuning_for
+from mlxserve.models.deepseek_v4.dspark import head_of
 from mlxserve.policy.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -29,8 +33,9 @@ class LoadedModel:
 
 
 def speculative_depth(settings: Settings, model: Any) -> int | Literal["auto"]:
-    """The configured depth, defaulting to "auto" for models with an MTP module, else 0."""
-    has_mtp = getattr(model, "num_mtp_blocks", 0) > 0
+    """The configured depth, defaulting to "auto" for models with an MTP module or a
+    DSpark head, else 0."""
+    has_mtp = getattr(model, "num_mtp_blocks", 0) > 0 or head_of(model) is not None
     depth = settings.speculative.depth
     if depth is None:
         return DEFAULT_MTP_DEPTH if has_mtp else 0
@@ -39,7 +44,9 @@ def speculative_depth(settings: Settings, model: Any) -> int | Literal["auto"]:
 
 def adapter_for(model: Any, depth: int | Literal["auto"]) -> ModelAdapter:
     """Without drafting the MTP module would only cost time: serve the main model alone."""
-    return MTPAdapter(model) if depth == "auto" or depth > 0 else PlainAdapter(model)
+    if depth != "auto" and depth <= 0:
+        return PlainAdapter(model)
+    return DSparkAdapter(model) if head_of(model) is not None else MTPAdapter(model)
 
 
 def materialize(model: Any) -> None:
@@ -113,6 +120,23 @@ def engine_config(settings: Settings, plan: Plan, loaded: LoadedModel) -> Engine
     )
 
 
+def costs_place(
+    settings: Settings, plan: Plan, loaded: LoadedModel, rank: int, world_size: int
+) -> CostsPlace | None:
+    """Where the automatic depth's measured round costs are kept across runs: the state
+    directory, keyed by this run's device, software, model and plan. Only with an
+    automatic depth, and only on rank 0: it decides for its group (a follower takes
+    the costs rank 0 sends, `lockstep`)."""
+    if loaded.speculative_depth != "auto" or rank != 0:
+        return None
+    decisions = {
+        "rank": {k: d.value for k, d in plan.ranks[rank].decisions.items()},
+        "world": {k: d.value for k, d in plan.world.items()},
+    }
+    identity = run_identity(loaded.model, settings.model, decisions)
+    return CostsPlace(state_dir(settings.server), identity, world_size)
+
+
 def grammars_for(loaded: LoadedModel) -> Grammars:
     """Grammars over the model's logits, whose width may exceed the tokenizer's vocabulary."""
     args = getattr(loaded.model, "args", None)
@@ -131,9 +155,14 @@ def build_engine(
         group = None  # a group of one is no tensor parallelism
     loaded = load_for_serving(settings, plan, rank, group)
     leader = LockstepLeader(group) if group is not None and rank == 0 else None
+    world_size = group.size() if group is not None else 1
+    config = dataclasses.replace(
+        engine_config(settings, plan, loaded),
+        round_costs=costs_place(settings, plan, loaded, rank, world_size),
+    )
     engine = Engine(
         loaded.adapter,
-        engine_config(settings, plan, loaded),
+        config,
         lockstep=leader,
         grammars=grammars_for(loaded),
     )

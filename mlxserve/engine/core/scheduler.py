@@ -61,6 +61,8 @@ class Scheduler:
 
     def remove_finished(self) -> list[RequestState]:
         done = [s for s in (*self.running, *self.waiting) if s.phase is Phase.FINISHED]
+        if not done:
+            return done  # after most steps: the queues are not rebuilt
         self.running = [s for s in self.running if s.phase is not Phase.FINISHED]
         self.waiting = deque(s for s in self.waiting if s.phase is not Phase.FINISHED)
         return done

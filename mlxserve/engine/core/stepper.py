@@ -10,6 +10,7 @@ is what the watchdog watches. Under tensor parallelism rank 0's engine has a
 `LockstepLeader` and the other ranks follow it (`mlxserve.engine.process.lockstep`).
 """
 
+import dataclasses
 import logging
 import queue
 import secrets
@@ -34,12 +35,18 @@ from mlxserve.engine.core.request_state import Phase, RequestState
 from mlxserve.engine.core.scheduler import Scheduler
 from mlxserve.engine.core.step import Step
 from mlxserve.engine.core.step_times import StepTimes
-from mlxserve.engine.runner.adapter import ModelAdapter, SupportsSpeculation
+from mlxserve.engine.runner.adapter import (
+    ModelAdapter,
+    SupportsAdaptiveVerification,
+    SupportsSpeculation,
+)
 from mlxserve.engine.runner.runner import Runner
 from mlxserve.engine.sample.ending import Ending
 from mlxserve.engine.sample.grammar import Grammars
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import KeyStream
+from mlxserve.engine.spec.cost_store import CostsKey, CostsPlace, load_costs, save_costs
+from mlxserve.engine.spec.costs import RoundCosts
 from mlxserve.engine.spec.depth import DepthPicker
 from mlxserve.hardware.clock import cost_clock, observed_times_comparable
 from mlxserve.hardware.tuning import EngineTuning, default_tuning
@@ -87,6 +94,9 @@ class EngineConfig:
     step_floor_s: float = 0.0
     # The knobs the adapter and the model run with; the engine tunes them with these.
     tuning: EngineTuning = field(default_factory=default_tuning)
+    # Where measured round costs are kept across runs (`mlxserve.engine.spec.cost_store`);
+    # None: measured by every engine (tests, benchmarks, a follower rank: rank 0 decides).
+    round_costs: CostsPlace | None = None
 
 
 class RequestStream:
@@ -101,6 +111,16 @@ class RequestStream:
 
     def get(self, timeout: float | None = None) -> Event:
         return self._events.get(timeout=timeout)
+
+    def ready(self) -> list[Event]:
+        """The events waiting now, without blocking (none: an empty list)."""
+        events: list[Event] = []
+        while not self._events.empty():
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        return events
 
     def __iter__(self) -> Iterator[Event]:
         while True:
@@ -140,6 +160,11 @@ class Engine:
         # Automatic depth: per request and round, from acceptance and measured costs.
         self.auto = auto and self.depth > 0
         self.depth_picker: DepthPicker | None = None
+        # Round-cost measurements this engine ran (a stored calibration is not one).
+        self.calibrations = 0
+        # A follower rank: the costs rank 0 sent with the step it is about to run
+        # (`lockstep.follow`); None when rank 0 measures in that step.
+        self.leader_costs: RoundCosts | None = None
         cache = None
         if config.prefix_cache_entries > 0:
             cache = PrefixCache(adapter, config.prefix_cache_entries, config.prefix_cache_bytes)
@@ -246,6 +271,8 @@ class Engine:
         self._run(step)
 
     def _drain_inbox(self, block: bool) -> None:
+        if not block and self._inbox.empty():
+            return  # every step: no exception raised (and caught) when nothing came
         try:
             message = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -319,16 +346,27 @@ class Engine:
             ending = Ending(params.reasoning, params.stop_token_ids, closing, vocab)
         return TokenChooser(params.sampling, grammar, params.grammar_prefix, ending)
 
-    def _calibrate(self) -> DepthPicker:
-        """Time the round's parts once, inside the first speculative step of a request
-        with an automatic depth: under tensor parallelism every rank runs that step, so
-        the calibration's forwards (and their collectives) line up on all ranks."""
+    def _calibrate(self, stored: RoundCosts | None) -> DepthPicker:
+        """The depth picker, on the costs ``stored`` (kept by an earlier run, or sent
+        by rank 0), else on costs timed now, once, inside the first speculative step
+        of a request with an automatic depth: under tensor parallelism every rank runs
+        that step, so the calibration's forwards (and their collectives) line up on
+        all ranks. Measured costs are kept for later runs (`config.round_costs`)."""
         adapter = self.adapter
         assert isinstance(adapter, SupportsSpeculation), "an automatic depth needs a drafter"
         clock = cost_clock()
-        costs = adapter.measure_costs(tick=self._count_progress, clock=clock)
+        if stored is not None:
+            costs, how = stored, "stored"
+        else:
+            costs, how = adapter.measure_costs(tick=self._count_progress, clock=clock), "measured"
+            self.calibrations += 1
+            place = self.config.round_costs
+            if place is not None:
+                path = save_costs(place.state_dir, self._costs_key(place), costs)
+                how = f"measured, kept in {path}" if path is not None else how
         log.info(
-            "speculative round costs (ms): plain step %.2f, rounds %s",
+            "speculative round costs (ms, %s): plain step %.2f, rounds %s",
+            how,
             costs.plain * 1e3,
             {k: round(costs.round(k) * 1e3, 2) for k in range(1, self.depth + 1)},
         )
@@ -336,9 +374,28 @@ class Engine:
             max_depth=self.depth, calibrated=costs, follow_observed=observed_times_comparable()
         )
         self.runner.depth_picker = picker
+        if isinstance(adapter, SupportsAdaptiveVerification):
+            adapter.follow(picker)  # a DSpark head's confidences (`engine.spec.dspark`)
         self.runner.clock = clock
         self.runner.forget_last_step()
         return picker
+
+    def _costs_key(self, place: CostsPlace) -> CostsKey:
+        clock = getattr(cost_clock(), "__name__", "wall")
+        return place.key(dataclasses.asdict(self.config.tuning), self.depth, clock)
+
+    def _stored_costs(self) -> RoundCosts | None:
+        """What the calibration about to run may start from instead of measuring: on a
+        follower rank what rank 0 sent, else the costs kept by an earlier run. Rank 0
+        sends its own to the followers with the step (`lockstep`), so either every rank
+        measures in that step or none does."""
+        if self.leader_costs is not None:
+            return self.leader_costs
+        place = self.config.round_costs
+        stored = None if place is None else load_costs(place.state_dir, self._costs_key(place))
+        if self.lockstep is not None:
+            self.lockstep.send_round_costs(stored)
+        return stored
 
     def _count_progress(self) -> None:
         """Work inside a long step (the depth calibration) that watchdogs count as progress."""
@@ -366,21 +423,24 @@ class Engine:
         self.current_step = step
         self.step_started_at = time.monotonic()
         calibration_s = 0.0
+        calibrating = (
+            self.depth_picker is None
+            and step.kind == "speculate"
+            and any(s.auto for s in sequences)
+        )
         try:
+            # Before the broadcast: rank 0 sends the costs it will start from with it.
+            stored = self._stored_costs() if calibrating else None
             if self.lockstep is not None:
                 # Inside the step, so a follower that never answers is a stalled step
                 # for the watchdog, like a forward whose all_sum never completes.
                 self.lockstep.publish(step, self.warming_up)
             if self.before_step is not None:
                 self.before_step(step)
-            if (
-                self.depth_picker is None
-                and step.kind == "speculate"
-                and any(s.auto for s in sequences)
-            ):
+            if calibrating:
                 began = time.monotonic()
                 try:
-                    self.depth_picker = self._calibrate()
+                    self.depth_picker = self._calibrate(stored)
                 finally:  # a calibration that fails is not a step's time either
                     calibration_s = time.monotonic() - began
             emitted = self.runner.run(step, sequences)

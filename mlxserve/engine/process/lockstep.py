@@ -29,6 +29,7 @@ from mlxserve.channel.messages import Generate
 from mlxserve.cluster.broadcast import broadcast_bytes
 from mlxserve.engine.core.request import GenerationRequest
 from mlxserve.engine.core.step import Step
+from mlxserve.engine.spec.costs import RoundCosts
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class StepMessage:
     warm_up: bool = False
     # Rank 0's warm-up is over: forget it before the changes of this message.
     warm_up_over: bool = False
+    # The step calibrates the automatic depth and rank 0 starts from these stored
+    # costs: the followers take them too and measure nothing (None: all measure).
+    round_costs: RoundCosts | None = None
 
     def to_bytes(self) -> bytes:
         return json.dumps(
@@ -59,6 +63,7 @@ class StepMessage:
                 "stop": self.stop,
                 "warm_up": self.warm_up,
                 "warm_up_over": self.warm_up_over,
+                "round_costs": self.round_costs.as_dict() if self.round_costs else None,
             },
             separators=(",", ":"),
         ).encode()
@@ -74,6 +79,9 @@ class StepMessage:
             stop=bool(raw["stop"]),
             warm_up=bool(raw["warm_up"]),
             warm_up_over=bool(raw["warm_up_over"]),
+            round_costs=RoundCosts.from_dict(raw["round_costs"])
+            if raw.get("round_costs")
+            else None,
         )
 
 
@@ -95,6 +103,10 @@ class LockstepLeader:
     def warm_up_over(self) -> None:
         """Rank 0 forgot its warm-up: the followers will, with the next step."""
         self._message.warm_up_over = True
+
+    def send_round_costs(self, costs: RoundCosts | None) -> None:
+        """The next step calibrates from ``costs`` (rank 0's stored ones), or measures."""
+        self._message.round_costs = costs
 
     def publish(self, step: Step, warm_up: bool = False) -> None:
         """Broadcast the changes since the last step, and ``step`` (a warm-up's step
@@ -147,6 +159,7 @@ def follow(engine: Any, group: Any, max_messages: int | None = None) -> int:
         if step != message.step:
             raise Diverged(f"rank {group.rank()} chose {step}, rank 0 {message.step}")
         if step is not None:
+            engine.leader_costs = message.round_costs  # rank 0 decides: stored or measured
             engine.run_step(step)
             steps += 1
     return steps

@@ -38,7 +38,7 @@ from mlxserve.channel.messages import (
     decode_front,
     encode,
 )
-from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
+from mlxserve.engine.core.request import Event, FinishEvent, GenerationRequest, TokensEvent
 from mlxserve.engine.core.stepper import Engine, RequestStream
 
 log = logging.getLogger(__name__)
@@ -295,7 +295,12 @@ class FrontDesk:
         return Error(id=request_id, message="unknown request id")
 
     def _forward(self, link: FrontLink, stream: RequestStream) -> None:
-        """Write the request's events to the front as they come, until its finish."""
+        """Write the request's events to the front as they come, until its finish.
+
+        The events that are already waiting when it wakes go out together, their
+        tokens in one `tokens` line (`coalesce`): when the front or this thread falls
+        behind the engine, it catches up in one line and one wake-up of the front,
+        not one per step."""
         request_id = stream.request_id
         while True:
             try:
@@ -305,13 +310,14 @@ class FrontDesk:
                     self.table.release(request_id)
                     return
                 continue
-            if isinstance(event, TokensEvent):
-                link.send(to_tokens(event))
-                continue
-            # Released before the finish is sent, so the front may reuse the id at once.
-            self.table.release(request_id)
-            link.send(to_finish(event))
-            return
+            for ready in coalesce([event, *stream.ready()]):
+                if isinstance(ready, TokensEvent):
+                    link.send(to_tokens(ready))
+                    continue
+                # Released before the finish is sent, so the front may reuse the id at once.
+                self.table.release(request_id)
+                link.send(to_finish(ready))
+                return
 
 
 def to_request(message: Generate, vocab_size: int | None) -> GenerationRequest:
@@ -323,6 +329,29 @@ def to_request(message: Generate, vocab_size: int | None) -> GenerationRequest:
                 f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})"
             )
     return GenerationRequest.of(message)
+
+
+def coalesce(events: list[Event]) -> list[Event]:
+    """``events`` in order, each run of `TokensEvent` merged into one (its tokens, and
+    logprobs where every one of the run has them); nothing after a `FinishEvent`."""
+    out: list[Event] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (
+            isinstance(event, TokensEvent)
+            and isinstance(last, TokensEvent)
+            and (last.logprobs is None) == (event.logprobs is None)
+        ):
+            logprobs = None
+            if last.logprobs is not None and event.logprobs is not None:
+                logprobs = (*last.logprobs, *event.logprobs)
+            ids = (*last.token_ids, *event.token_ids)
+            out[-1] = TokensEvent(event.request_id, ids, logprobs)
+            continue
+        out.append(event)
+        if isinstance(event, FinishEvent):
+            break
+    return out
 
 
 def to_tokens(event: TokensEvent) -> Tokens:

@@ -1,7 +1,8 @@
 """The engine's view of a model: per-sequence state, prefill, one logits step, rollback.
 
 Keeping this narrow lets one engine serve any mlx-lm model (`PlainAdapter`)
-and DeepSeek-V4 with its MTP drafter (`mlxserve.engine.spec.mtp`), and
+and DeepSeek-V4 with its MTP drafter (`mlxserve.engine.spec.mtp`) or its DSpark
+head (`mlxserve.engine.spec.dspark`), and
 keeps model-specific cache handling out of the scheduler.
 """
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from mlxserve.engine.sample.logits import TokenChooser
     from mlxserve.engine.sample.sampling import Draws
     from mlxserve.engine.spec.costs import RoundCosts
+    from mlxserve.engine.spec.depth import DepthPicker
 
 
 class ModelState(Protocol):
@@ -83,12 +85,15 @@ def _compact_copy(cache: Any) -> Any:
 def _compacted(cache: Any) -> Any:
     """`cache` in buffers of its own size: a plain KV cache copied at its length (unless
     it is), a cache that compacts itself (DeepSeek-V4's) compacted, any other cache's
-    flat list of arrays copied in place."""
+    flat list of arrays copied in place (where it may be set)."""
     if type(cache) is KVCache:
         return cache if cache.keys is None or _is_compact(cache) else _compact_copy(cache)
     if callable(getattr(cache, "compact", None)):
         cache.compact()
         return cache
+    settable = getattr(type(cache), "state", None)
+    if isinstance(settable, property) and settable.fset is None:
+        return cache  # its arrays cannot be replaced (mlx-lm's deepseek_v41 caches): kept
     state = getattr(cache, "state", None)
     if isinstance(state, list | tuple) and all(a is None or isinstance(a, mx.array) for a in state):
         copies = iter(own_buffers(a for a in state if a is not None))
@@ -130,6 +135,14 @@ class SupportsSpeculation(Protocol):
     def measure_costs(
         self, tick: Callable[[], None] = ..., clock: Callable[[], float] = ...
     ) -> RoundCosts: ...
+
+
+@runtime_checkable
+class SupportsAdaptiveVerification(Protocol):
+    """A drafter that judges its own drafts (DSpark's confidence head): it verifies
+    only those worth it and tells the automatic depth its confidences per position."""
+
+    def follow(self, picker: DepthPicker) -> None: ...
 
 
 class PlainState:

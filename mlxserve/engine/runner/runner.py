@@ -9,11 +9,18 @@ prompt is done (its prefilled state inserted) and leaves it when it finishes
 copy of the batch. Speculative steps are delegated to the adapter.
 
 A request with a `TokenChooser` (grammar, penalties, logprobs...) decodes in the
-same batches and rounds: its row chooses from the batch's logits once the
-forward is done (a host read, so a batch holding such a row is not pipelined),
-and its speculative rounds verify under its transforms (`engine.draft_choice`).
-Where that choice fails (its grammar...), the request fails alone (``failed``):
-the other rows of the step go on.
+same batches and rounds, pipelined too: once a step's forward is queued, its
+row reads the token it drew last step, the chooser takes it (grammar, ends,
+history, logprobs), and the mask of the next position is made on the host from
+there while the forward runs; the next token is drawn lazily under it and fed to
+the next step before it is read (`TokenChooser.draw_next`, `take`). So such a row
+holds a drawn, untaken token in ``pending`` (or its batch's next input) as plain
+rows hold a sampled one, and whoever emits that token takes it first; no mask is
+made after a token that ends the request (a stop token, the grammar complete, the
+budget spent). Its speculative rounds verify under its transforms
+(`engine.draft_choice`). Where its choice fails (its grammar...), the request
+fails alone (``failed``) when the failing position's token is due: the other rows
+of the step go on.
 
 Every token is drawn with its position's key (`RequestState.key`), so which step
 draws it (alone, batched, pipelined or in a round) does not change it.
@@ -208,17 +215,54 @@ class Runner:
         return [token_id(current) if first is None else first]
 
     def _choose(self, sequence: RequestState, chooser: TokenChooser) -> list[int]:
-        """A step without pipelining: the chooser reads each token before the next."""
-        if not sequence.transcript:
-            logits = self._first_logits(sequence)
-        else:
-            assert sequence.state is not None
-            logits = self.adapter.step(sequence.state, mx.array(sequence.transcript[-1:]))
+        """A chooser's own decode step, pipelined as `_decode`: the forward fed by its
+        drawn token (``pending``) is queued before that token is read and taken, and
+        the next one is drawn under the mask made meanwhile. Its first token is read
+        at once (TTFT); a speculative request's first token leaves nothing pending."""
+        assert sequence.state is not None
+        first = not sequence.transcript
+        if sequence.pending is None:
+            if first:
+                logits = self._first_logits(sequence)
+            else:
+                logits = self.adapter.step(sequence.state, mx.array(sequence.transcript[-1:]))
+            sequence.pending = chooser.draw_next(logits, sequence.key(), sequence.budget)
+            if not first:
+                mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+        current, sequence.pending = sequence.pending, None
+        ahead: mx.array | None = None
+        if not first and sequence.budget > 1:
+            ahead = self.adapter.step(sequence.state, current.reshape(1).astype(mx.int32))
+            mx.async_eval(ahead)  # type: ignore[no-untyped-call]
+        token = self._take(sequence, chooser, token_id(current))
+        if token is None:
+            return []
+        if self._ends(sequence, chooser, token, 1) or (first and sequence.depth > 0):
+            return [token]
+        if ahead is None:  # the first token: its next forward is built, left lazy
+            ahead = self.adapter.step(sequence.state, current.reshape(1).astype(mx.int32))
+        sequence.pending = chooser.draw_next(ahead, sequence.key(1), sequence.budget - 1)
+        if not first:
+            mx.async_eval(sequence.pending)  # type: ignore[no-untyped-call]
+        return [token]
+
+    def _take(self, sequence: RequestState, chooser: TokenChooser, token: int) -> int | None:
+        """``token``, drawn by ``chooser`` and read back, taken by it (None: its choice
+        failed, and the request with it)."""
         try:
-            return [chooser.choose(logits, sequence.key(), sequence.budget)]
+            chooser.take(token)
         except Exception as exc:
             self._fail(sequence, exc)
-            return []
+            return None
+        return token
+
+    @staticmethod
+    def _ends(sequence: RequestState, chooser: TokenChooser, token: int, emitting: int) -> bool:
+        """``token``, the last of the ``emitting`` tokens this step emits, ends the request
+        (the engine finishes it on emitting them): nothing may be drawn after it."""
+        if token in sequence.request.params.stop_token_ids or chooser.finished:
+            return True
+        return sequence.budget - emitting <= 0
 
     def _fail(self, sequence: RequestState, exc: Exception) -> None:
         """The request's own token choice failed: it alone fails (``failed``)."""
@@ -249,8 +293,8 @@ class Runner:
         if sequence.state is None or sequence.phase is not Phase.DECODE:
             return False
         if sequence.chooser is not None:
-            # It chose its tokens as they came: its next input is its last one.
-            return bool(sequence.generated)
+            # Its next input is its drawn token, or else its last emitted one.
+            return sequence.pending is not None or bool(sequence.generated)
         if sequence.depth == 0:
             return sequence.pending is not None and sequence.budget > 1
         return sequence.pending is not None or bool(sequence.generated)
@@ -305,41 +349,79 @@ class Runner:
         else:
             inputs = batch.tokens
         logits = batch.state.step(inputs)
-        chosen = self._choose_rows(rows, logits)
         # A row emitting its input now draws the token after it.
         ahead = [int(emits is None or emits[i]) for i in range(len(rows))]
-        following = self._sample(rows, logits, ahead, chosen).astype(mx.int32)
-        mx.async_eval(following)  # type: ignore[no-untyped-call]
-        values = inputs.tolist()
-        assert isinstance(values, list)
+        if any(s.chooser is not None for s in rows):
+            mx.async_eval(logits)  # type: ignore[no-untyped-call]
+            values = inputs.tolist()
+            assert isinstance(values, list)
+            drawn = self._draw_rows(rows, logits, values, ahead)  # type: ignore[arg-type]
+            following = self._sample(rows, logits, ahead, drawn).astype(mx.int32)
+            mx.async_eval(following)  # type: ignore[no-untyped-call]
+        else:
+            following = self._sample(rows, logits, ahead).astype(mx.int32)
+            mx.async_eval(following)  # type: ignore[no-untyped-call]
+            values = inputs.tolist()
+            assert isinstance(values, list)
         for index, sequence in enumerate(rows):
-            if index in chosen:
-                # Chosen now and emitted now; fed next step (and not emitted again).
-                emitted[sequence.request_id] = [chosen[index]]
-            elif emits is None or emits[index]:
+            if emits is None or emits[index]:
                 emitted[sequence.request_id] = [int(values[index])]  # type: ignore[arg-type]
             if sequence.depth > 0:  # a speculative request's plain step, for depths_chosen
                 sequence.stats.count_step(0)
         batch.tokens = following
 
-    def _choose_rows(self, rows: list[RequestState], logits: mx.array) -> dict[int, int]:
-        """The rows with a `TokenChooser` choose from the batch's logits [B, V], in row
-        order, each with its own key and budget, as alone. This reads the logits back
-        (the grammar and the penalties need each token as a number), so the step whose
-        batch holds such a row is not pipelined: its forward finishes before the next
-        one is queued. A row whose choice fails fails alone (its stand-in token 0 is
-        fed to no later step: it leaves the batch before)."""
-        choosing = [(i, s, s.chooser) for i, s in enumerate(rows) if s.chooser is not None]
+    def _draw_rows(
+        self, rows: list[RequestState], logits: mx.array, values: list[int], ahead: Sequence[int]
+    ) -> dict[int, mx.array]:
+        """The rows with a `TokenChooser`, in row order, while the step's forward runs:
+        each takes the input it emits now (``values``, read back), then draws its next
+        token from the batch's logits [B, V] lazily, with its own key and budget, under
+        the mask made now. A row whose token ends it draws nothing; one whose choice
+        fails fails alone. Either gets a stand-in 0, fed to no step that emits (it
+        leaves the batch first)."""
+        drawn: dict[int, mx.array] = {}
+        stand_in = mx.array(0, dtype=mx.uint32)
+        for index, sequence in enumerate(rows):
+            chooser = sequence.chooser
+            if chooser is None:
+                continue
+            drawn[index] = stand_in
+            if ahead[index]:
+                token = self._take(sequence, chooser, int(values[index]))
+                if token is None or self._ends(sequence, chooser, token, 1):
+                    continue
+            remaining = sequence.budget - ahead[index]
+            drawn[index] = chooser.draw_next(logits[index], sequence.key(ahead[index]), remaining)
+        return drawn
+
+    def _choose_rows(
+        self,
+        rows: list[RequestState],
+        logits: mx.array,
+        ahead: Sequence[int],
+        done: set[str],
+    ) -> dict[int, mx.array]:
+        """The rows with a `TokenChooser` (but those in ``done``) choose from the batch's
+        logits [B, V] now, in row order, each with the key and budget of its position
+        ``ahead``, as alone (a round with no room to draft: its tokens are read at once).
+        A row whose choice fails fails alone (a stand-in 0 it never emits)."""
+        choosing = [
+            (i, s, s.chooser)
+            for i, s in enumerate(rows)
+            if s.chooser is not None and s.request_id not in done
+        ]
         if not choosing:
             return {}
         mx.eval(logits)  # the forward's failure is the step's, not a row's
-        chosen: dict[int, int] = {}
+        chosen: dict[int, mx.array] = {}
         for index, sequence, chooser in choosing:
+            value = 0
             try:
-                chosen[index] = chooser.choose(logits[index], sequence.key(), sequence.budget)
+                remaining = sequence.budget - ahead[index]
+                value = chooser.choose(logits[index], sequence.key(ahead[index]), remaining)
             except Exception as exc:
                 self._fail(sequence, exc)
-                chosen[index] = 0
+            chosen[index] = mx.array(value, dtype=mx.uint32)
         return chosen
 
     @staticmethod
@@ -347,21 +429,19 @@ class Runner:
         rows: list[RequestState],
         logits: mx.array,
         ahead: Sequence[int],
-        chosen: dict[int, int] | None = None,
+        chosen: dict[int, mx.array] | None = None,
     ) -> mx.array:
         """Each row's next token, lazily: sampled (with the key of its position
-        ``ahead`` of those it produced), or the one its chooser took."""
+        ``ahead`` of those it produced), or the one its chooser drew ([], uint32)."""
         chosen = chosen or {}
         if all(s.request.params.sampling.greedy for i, s in enumerate(rows) if i not in chosen):
             tokens = mx.argmax(logits, axis=-1)
             if not chosen:
                 return tokens
-            picked = mx.array([chosen.get(i, 0) for i in range(len(rows))], dtype=tokens.dtype)
-            where = mx.array([i in chosen for i in range(len(rows))])
-            return mx.where(where, picked, tokens)
+            return mx.stack([chosen.get(i, tokens[i]) for i in range(len(rows))])
         return mx.stack(
             [
-                mx.array(chosen[i], dtype=mx.uint32)
+                chosen[i]
                 if i in chosen
                 else sample(logits[i], s.request.params.sampling, s.key(ahead[i]))
                 for i, s in enumerate(rows)
@@ -372,8 +452,7 @@ class Runner:
         """Give each row its own next token back, before the membership changes."""
         if batch.tokens is not None:
             for index, sequence in enumerate(batch.rows):
-                if sequence.chooser is None:  # a chooser's next input was emitted already
-                    sequence.pending = batch.tokens[index]
+                sequence.pending = batch.tokens[index]
             batch.tokens = None
 
     def _leave_unnamed(self, sequences: list[RequestState]) -> set[str]:
@@ -430,27 +509,26 @@ class Runner:
             drafter = batch.state.speculate if isinstance(batch.state, MTPRowBatch) else None
             rows = batch.rows
             self._materialize(batch)
-            # A row arriving from plain batched decoding emits its sampled token now.
-            head = {
-                s.request_id: [token_id(s.pending)] if s.pending is not None else [] for s in rows
-            }
-            for sequence in rows:
-                sequence.pending = None
+            head, done = self._heads(rows)
             room = min(s.budget - 1 - len(head[s.request_id]) for s in rows)
             round_depth = min(depth, room)
             if drafter is None or round_depth <= 0:
-                self._plain_round(batch, head, emitted)
+                self._plain_round(batch, head, done, emitted)
                 continue
             last = [(head[s.request_id] or s.generated)[-1] for s in rows]
             params = [s.request.params.sampling for s in rows]
             keys = [s.draws(len(head[s.request_id])) for s in rows]
             if any(s.chooser is not None for s in rows):
-                choosers = [s.chooser for s in rows]
+                # A row that is done drafts plainly: what it drafts is never emitted.
+                choosers = [None if s.request_id in done else s.chooser for s in rows]
                 budgets = [s.budget - len(head[s.request_id]) for s in rows]
                 tokens = drafter(last, round_depth, params, keys, choosers, budgets)
             else:
                 tokens = drafter(last, round_depth, params, keys)
             for sequence, row_tokens in zip(rows, tokens, strict=True):
+                if sequence.request_id in done:
+                    emitted[sequence.request_id] = head[sequence.request_id]
+                    continue
                 if isinstance(row_tokens, Exception):
                     self._fail(sequence, row_tokens)
                     continue
@@ -458,20 +536,50 @@ class Runner:
                 emitted[sequence.request_id] = [*head[sequence.request_id], *row_tokens]
         return emitted
 
+    def _heads(self, rows: list[RequestState]) -> tuple[dict[str, list[int]], set[str]]:
+        """What each row arriving from plain batched decoding emits first: its pending
+        token, read now (a chooser's taken by it). With the ids of the rows that go no
+        further this step: a chooser's whose token ends it, or whose choice failed."""
+        head: dict[str, list[int]] = {}
+        done: set[str] = set()
+        for sequence in rows:
+            pending, sequence.pending = sequence.pending, None
+            if pending is None:
+                head[sequence.request_id] = []
+                continue
+            value = token_id(pending)
+            token: int | None = value
+            chooser = sequence.chooser
+            if chooser is not None:
+                token = self._take(sequence, chooser, value)
+                if token is None or self._ends(sequence, chooser, token, 1):
+                    done.add(sequence.request_id)
+            head[sequence.request_id] = [] if token is None else [token]
+        return head, done
+
     def _plain_round(
-        self, batch: _Batch, head: dict[str, list[int]], emitted: dict[str, list[int]]
+        self,
+        batch: _Batch,
+        head: dict[str, list[int]],
+        done: set[str],
+        emitted: dict[str, list[int]],
     ) -> None:
         """No room to draft: one plain step, emitting its tokens at once (speculative
-        rows keep their next input as the last emitted token)."""
+        rows keep their next input as the last emitted token; a row in ``done`` emits
+        its head only)."""
         rows = batch.rows
         last = [(head[s.request_id] or s.generated)[-1] for s in rows]
         logits = batch.state.step(mx.array(last, dtype=mx.int32))
         ahead = [len(head[s.request_id]) for s in rows]
-        following = self._sample(rows, logits, ahead, self._choose_rows(rows, logits))
+        chosen = self._choose_rows(rows, logits, ahead, done)
+        following = self._sample(rows, logits, ahead, chosen)
         values = following.tolist()
         assert isinstance(values, list)
         for sequence, value in zip(rows, values, strict=True):
-            emitted[sequence.request_id] = [*head[sequence.request_id], int(value)]  # type: ignore[arg-type]
+            tokens = head[sequence.request_id]
+            if sequence.request_id not in done:
+                tokens = [*tokens, int(value)]  # type: ignore[arg-type]
+            emitted[sequence.request_id] = tokens
 
     def _speculate(self, sequence: RequestState, depth: int) -> list[int]:
         """A round at `depth` drafts; with an automatic depth, 0 is a pipelined plain step.
@@ -548,14 +656,25 @@ class Runner:
             sequence.stats.count_step(0)
             sequence.plain_streak += 1
             return self._choose(sequence, chooser)
+        first: list[int] = []
+        if sequence.pending is not None:
+            # After pipelined plain steps: their drawn token is emitted first.
+            token = self._take(sequence, chooser, token_id(sequence.pending))
+            sequence.pending = None
+            if token is None:
+                return []
+            first = [token]
+            depth = min(depth, sequence.budget - 2)
+            if self._ends(sequence, chooser, token, 1) or depth <= 0:
+                return first
         try:
             tokens, drafted, accepted = drafter(
                 sequence.state,
-                sequence.generated[-1],
+                (first or sequence.generated)[-1],
                 depth,
                 chooser,
-                sequence.draws(),
-                sequence.budget,
+                sequence.draws(len(first)),
+                sequence.budget - len(first),
             )
         except Exception as exc:
             self._fail(sequence, exc)
@@ -564,7 +683,7 @@ class Runner:
         sequence.plain_streak = 0
         if self.depth_picker is not None:
             self.depth_picker.record(drafted, accepted)
-        return list(tokens)
+        return [*first, *tokens]
 
     def _observe(self, depth: int, seconds: float) -> None:
         if self.depth_picker is not None:

@@ -6,9 +6,10 @@ tokens it does not allow; the log-softmax of that is what ``logprobs`` report;
 then temperature, min_p, top_k and top_p (mlx-lm's filters) shape the
 distribution the token is drawn from with the request's own random key.
 
-Such requests decode wherever others do. In a decode batch their rows choose
-after the batch's forward, which reads those logits back before the next step
-(a batch holding one is not pipelined: `Runner._step`). In a speculative round
+Such requests decode wherever others do, pipelined as plain rows are: a step
+draws a row's next token lazily (`draw_next`: the mask is made on the host from the
+tokens already taken, while the forward runs), queues the forward that feeds it,
+and only then reads the token and `take`s it (`Runner._step`). In a speculative round
 the same transforms make both distributions (`mlxserve.engine.spec.draft_choice`):
 the drafts are drawn from the transformed draft logits, and each verified
 position's target is the transformed main logits, with the history extended by
@@ -76,17 +77,45 @@ class TokenChooser:
         self.logprobs: list[TokenLogprob] = []
         if grammar is not None:
             grammar.accept_all(list(history))
+        self._complete = grammar is not None and grammar.finished
         self.progress = ending.begin(history, grammar) if ending is not None else None
+        # What `draw_next` drew the token due next from: its `target` row when logprobs
+        # are asked for (else None), or the failure `take` raises.
+        self._due: mx.array | Exception | None = None
 
     def choose(self, logits: mx.array, key: mx.array, remaining: int | None = None) -> int:
         """The next token from ``logits`` ([vocab]); records it (grammar, history, logprobs).
 
         ``remaining``: tokens left in the request's budget (see `allowed`).
         """
-        logprobs = self.target(logits, self.recent(), self.allowed(remaining))
-        token = token_id(self.draw(logprobs, key)[0])
-        self.commit([token], logprobs)
+        token = token_id(self.draw_next(logits, key, remaining))
+        self.take(token)
         return token
+
+    def draw_next(self, logits: mx.array, key: mx.array, remaining: int | None = None) -> mx.array:
+        """The next token from ``logits`` ([vocab]), lazily ([], uint32): the mask is made
+        now, from the tokens taken so far, so only the draw waits for the logits. Nothing
+        is recorded until `take` reads it back; another token may not be drawn before.
+
+        A failure here (its grammar) is kept and raised by that `take`: the position
+        fails when its token is due, as `choose` there would (the stand-in returned is
+        fed to no step that emits)."""
+        try:
+            logprobs = self.target(logits, self.recent(), self.allowed(remaining))
+            token = self.draw(logprobs, key)[0]
+        except Exception as exc:
+            self._due = exc
+            return mx.array(0, dtype=mx.uint32)
+        self._due = logprobs if self.params.logprobs is not None else None
+        return token
+
+    def take(self, token: int) -> None:
+        """``token``, the value of the last `draw_next`, follows: recorded as `commit`
+        records it (raises that draw's failure, or the grammar's refusal)."""
+        due, self._due = self._due, None
+        if isinstance(due, Exception):
+            raise due
+        self.commit([token], due)
 
     def recent(self, drafts: Sequence[mx.array | int] = ()) -> mx.array:
         """The tokens the penalties count: the answer's last ones, then ``drafts`` (ints,
@@ -160,14 +189,15 @@ class TokenChooser:
             return mx.argmax(logprobs, axis=-1)
         return pick(self.weights(logprobs), key)
 
-    def commit(self, tokens: list[int], logprobs: mx.array) -> list[int]:
+    def commit(self, tokens: list[int], logprobs: mx.array | None) -> list[int]:
         """The chosen ``tokens``, in order, with the `target` rows they were chosen from
-        (``logprobs`` [n, vocab]): the grammar reads them, the history and the logprobs
-        record them. Stops after a token that completes the grammar (nothing may follow
-        it); returns the tokens taken."""
+        (``logprobs`` [n, vocab]; None only where no logprobs are asked for): the grammar
+        reads them, the history and the logprobs record them. Stops after a token that
+        completes the grammar (nothing may follow it); returns the tokens taken."""
         taken: list[int] = []
         for row, token in enumerate(tokens):
             if self.params.logprobs is not None:
+                assert logprobs is not None
                 self.logprobs.append(self._record(logprobs[row], token))
             self.read(token)
             taken.append(token)
@@ -180,6 +210,7 @@ class TokenChooser:
         a token moves (here) must be copied by `fork`."""
         if self.grammar is not None:
             self.grammar.accept(token)
+            self._complete = self.grammar.finished
         if self.ending is not None:
             assert self.progress is not None
             self.progress = self.ending.after(self.progress, token)
@@ -187,8 +218,10 @@ class TokenChooser:
 
     @property
     def finished(self) -> bool:
-        """Its grammar is complete: nothing may follow."""
-        return self.grammar is not None and self.grammar.finished
+        """Its grammar is complete: nothing may follow. As the last token read left it:
+        a mask made since (`draw_next`'s, for a token not yet taken) that found no way
+        on stops the matcher too, but that is the next position's failure."""
+        return self._complete
 
     def fork(self) -> TokenChooser:
         """A copy whose state moves on its own (a speculative round reads its drafts into
@@ -198,6 +231,7 @@ class TokenChooser:
         twin.grammar = self.grammar.fork() if self.grammar is not None else None
         twin.history = list(self.history)
         twin.logprobs = []
+        twin._due = None
         return twin
 
     def _record(self, logprobs: mx.array, token: int) -> TokenLogprob:

@@ -8,6 +8,7 @@ k + 1 tokens costs about one step; on a CPU it grows with k. Measuring tells whi
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 
@@ -22,6 +23,11 @@ from mlxserve.engine.spec.mtp import (
 )
 
 GREEDY = SamplingParams()
+
+#: How `measure_round_costs` probes (its defaults and the probes the engine asks for).
+#: Stored costs (`mlxserve.engine.spec.cost_store`) carry it: bump it whenever a change
+#: here makes older figures mean something else, and they are measured again.
+MEASUREMENT = 1
 
 
 @dataclass
@@ -45,6 +51,24 @@ class RoundCosts:
     def parts(self, depth: int) -> float:
         """verify(depth) + depth x draft: what a round would cost with no other work."""
         return self.verify.get(depth, self.plain) + depth * self.draft
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-able (depths as strings), for rank 0 to send its costs to followers."""
+        return {
+            "plain": self.plain,
+            "verify": {str(k): v for k, v in self.verify.items()},
+            "draft": self.draft,
+            "rounds": {str(k): v for k, v in self.rounds.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "RoundCosts":
+        return cls(
+            plain=float(raw["plain"]),
+            verify={int(k): float(v) for k, v in raw["verify"].items()},
+            draft=float(raw["draft"]),
+            rounds={int(k): float(v) for k, v in raw["rounds"].items()},
+        )
 
 
 def throwaway_state(

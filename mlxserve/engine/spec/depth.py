@@ -181,6 +181,11 @@ class DepthPicker:
     # Observations so far (at any depth), and the count at each depth's latest one.
     ticks: int = 0
     last_tick: dict[int, int] = field(default_factory=dict)
+    # A drafter with a confidence head (DSpark): per draft position, the sum and count
+    # of the chances it gave (`observe_confidence`), the prior's guess where nothing
+    # was verified yet.
+    confidence_sum: list[float] = field(default_factory=list)
+    confidence_count: list[int] = field(default_factory=list)
 
     def costs(self) -> RoundCosts:
         """Calibrated costs, replaced by observed round times where there are some
@@ -257,11 +262,32 @@ class DepthPicker:
         self.between.clear()
         self.last_tick.clear()
 
+    def observe_confidence(self, values: Sequence[float]) -> None:
+        """A round's confidences, per draft position (the drafter's own estimate of the
+        chance each draft is kept)."""
+        for position, value in enumerate(values):
+            if position == len(self.confidence_sum):
+                self.confidence_sum.append(0.0)
+                self.confidence_count.append(0)
+            self.confidence_sum[position] += value
+            self.confidence_count[position] += 1
+
+    def confidence(self, position: int) -> float | None:
+        """The mean confidence at ``position`` (None: no drafter reported one)."""
+        if position >= len(self.confidence_count) or not self.confidence_count[position]:
+            return None
+        return self.confidence_sum[position] / self.confidence_count[position]
+
     def prior(self) -> list[float]:
-        """Acceptance per position over the requests this engine has served so far."""
+        """Acceptance per position over the requests this engine has served so far.
+        Where its drafter has a confidence head, the guess behind the counts is the
+        mean confidence there (a verified count still outweighs it)."""
         rates: list[float] = []
         for position in range(self.max_depth):
             previous = rates[-1] * UNSEEN_DISCOUNT if rates else NEUTRAL_ACCEPTANCE
+            confident = self.confidence(position)
+            if confident is not None:
+                previous = confident
             reached = self._at(self.history.reached_at_depth, position)
             kept = self._at(self.history.accepted_at_depth, position)
             rates.append((kept + GUESS_ROUNDS * previous) / (reached + GUESS_ROUNDS))

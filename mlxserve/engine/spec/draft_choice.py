@@ -74,6 +74,10 @@ class ChosenRound:
 
     def _propose(self, level: int, logits: mx.array, key: mx.array) -> mx.array:
         chooser = self.chooser
+        if self._masked:
+            # The level's forward runs while the host reads the draft before it (queued
+            # on its own below, so that read waits for it alone) and makes the mask.
+            mx.async_eval(logits)  # type: ignore[no-untyped-call]
         logprobs = chooser.target(logits, chooser.recent(self.drafts), self._mask(level))
         if chooser.params.greedy:
             token = mx.argmax(logprobs, axis=-1)
@@ -81,7 +85,17 @@ class ChosenRound:
             weights = chooser.weights(logprobs)
             token = pick(weights, key)
             self._weights.append(weights[0])
-        return token.reshape(()).astype(mx.int32)
+        token = token.reshape(()).astype(mx.int32)
+        if self._masked:
+            mx.async_eval(token)  # type: ignore[no-untyped-call]
+        return token
+
+    def truncate(self, count: int) -> None:
+        """Verify only the first ``count`` drafts (a DSpark round's adaptive verification:
+        `mlxserve.engine.spec.dspark`); the masks past them are never read."""
+        self.drafts = self.drafts[:count]
+        self._weights = self._weights[:count]
+        self._masks = self._masks[: count + 1]
 
     def verify(self, logits: mx.array, draws: Draws) -> list[int]:
         """The tokens to emit, from the main logits [k + 1, vocab] of [last, drafts]

@@ -26,11 +26,14 @@ own window and entries; see ``stacked.py``).
 
 from __future__ import annotations
 
+import logging
+from functools import cache
+
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.normalization import RMSNorm
-from mlx_lm.models.switch_layers import SwitchLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from mlxserve.hardware.tuning import default_tuning
 from mlxserve.kernels.attention import split_queries
@@ -39,6 +42,7 @@ from .cache import LayerCache, RowCaches
 from .compressor import Compressor
 from .config import CSA, SLIDING, ModelArgs
 from .indexer import Indexer, visible_entries
+from .moe import quantized_experts
 from .rope import PartialRoPE
 from .stacked import StackedRows
 
@@ -57,6 +61,59 @@ def selection_mask(chosen: mx.array, num_entries: int) -> mx.array:
     mask = mx.zeros((batch, length, num_entries + 1), dtype=mx.bool_)
     mask = mx.put_along_axis(mask, safe, mx.array(True), axis=-1)
     return mask[..., :num_entries]
+
+
+log = logging.getLogger(__name__)
+
+
+@cache
+def _group_ids(groups: int) -> mx.array:
+    """[1, groups] uint32 ids of the output groups, made once (a constant)."""
+    ids = mx.arange(groups, dtype=mx.uint32)[None]
+    mx.eval(ids)
+    return ids
+
+
+def _grouped(layer: SwitchLinear | QuantizedSwitchLinear, out: mx.array) -> mx.array:
+    """``layer(out, group ids)`` for [N, groups, 1, d] with the rows' ids given."""
+    rows, groups = out.shape[0], out.shape[1]
+    ids = mx.broadcast_to(_group_ids(groups), (rows, groups))
+    if isinstance(layer, QuantizedSwitchLinear):
+        return quantized_experts(layer, out, ids)
+    lhs = mx.broadcast_to(_row_ids(rows, groups), ids.shape)
+    weight = layer["weight"].swapaxes(-1, -2)
+    grouped: mx.array = mx.gather_mm(out, weight, lhs_indices=lhs, rhs_indices=ids)
+    return grouped
+
+
+@cache
+def grouped_agrees() -> bool:
+    """Whether `_grouped` builds and equals the layer's own call here, float and
+    quantised (once per process); else the layer's call is used, with a warning."""
+    try:
+        worst = 0.0
+        layer = SwitchLinear(64, 32, 4, bias=False)
+        layer.weight = mx.random.normal(layer.weight.shape, key=mx.random.key(2))
+        out = mx.random.normal((3, 4, 1, 64), key=mx.random.key(3))
+        for candidate in (layer, layer.to_quantized(32, 4)):
+            ours = _grouped(candidate, out)
+            theirs = candidate(out, mx.arange(4)[None])
+            worst = max(worst, float(mx.abs(ours - theirs).max()))
+    except (RuntimeError, ValueError) as exc:
+        log.warning("grouped output projection failed (%s): using the layer's call", exc)
+        return False
+    if not worst <= 1e-5:
+        log.warning("grouped output projection differs by %g: using the layer's call", worst)
+        return False
+    return True
+
+
+@cache
+def _row_ids(rows: int, groups: int) -> mx.array:
+    """[rows, groups] uint32 ids of the rows of a grouped call (a constant)."""
+    ids = mx.arange(rows * groups, dtype=mx.uint32).reshape(rows, groups)
+    mx.eval(ids)
+    return ids
 
 
 def rope_offset(cache: LayerCache | RowCaches | StackedRows) -> int | mx.array:
@@ -100,6 +157,9 @@ class Attention(Module):
         self.sharding_group: mx.distributed.Group | None = None
         # The tuning's knob (``Model.tune``): a forward of a few queries split per query.
         self.split_attention_queries = default_tuning().split_attention_queries
+        # The tuning's knob (``Model.tune``): forwards of at most this many rows call a
+        # quantised ``wo_a`` with constant row ids (no ``arange`` per call).
+        self.fused_max_rows = default_tuning().compiled_decode_max_rows
 
         rope_key = "main" if layer_type == SLIDING else "compress"
         self.rope = PartialRoPE(
@@ -158,11 +218,26 @@ class Attention(Module):
             attended = self._attend(x, q_residual, q, kv, cache)
         out = self.rope(attended, offset=offset, inverse=True).swapaxes(1, 2)
         out = out.reshape(batch * length, self.o_groups, 1, -1)
-        out = self.wo_a(out, self._group_ids)
+        out = self._output_groups(out)
         out = self.wo_b(out.reshape(batch, length, -1))
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out
+
+    def _output_groups(self, out: mx.array) -> mx.array:
+        """``wo_a`` of each output group: [N, groups, 1, d] -> [N, groups, 1, rank]."""
+        rows = out.shape[0]
+        layer = self.wo_a
+        if (
+            type(layer) in (QuantizedSwitchLinear, SwitchLinear)
+            and "bias" not in layer
+            and rows <= self.fused_max_rows
+            and int(self._group_ids.size) == out.shape[1]
+            and grouped_agrees()
+        ):
+            return _grouped(layer, out)
+        grouped: mx.array = layer(out, self._group_ids)
+        return grouped
 
     def fill_window(self, x: mx.array, cache: LayerCache | RowCaches) -> None:
         """Leave in a sliding layer's cache what ``__call__`` on ``x`` would, without

@@ -24,7 +24,15 @@ ROUTED_MOE = "moe"
 MLP_LAYER_TYPES = (HASH_MOE, ROUTED_MOE)
 
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
-_RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+def _ratio_type(ratio: int, rates: dict[str, int]) -> str:
+    """The attention type of a DeepSeek ``compress_ratios`` entry."""
+    if ratio == 0:
+        return SLIDING
+    return CSA if ratio == rates[CSA] else HCA
+
+
 _DEFAULT_NUM_HASH_LAYERS = 3
 _DEFAULT_PARTIAL_ROTARY_FACTOR = 64 / 512
 
@@ -81,9 +89,11 @@ class ModelArgs(BaseModelArgs):
     # the main layers. Defaults to sliding attention.
     mtp_layer_types: list[str] | None = None
     # DeepSeek-V4-Flash-0731 ships a DSpark draft head in ``mtp.*`` instead of MTP
-    # blocks; these fields only mark it (see ``dspark.py``), nothing runs it.
+    # blocks: its block, the layers it taps and its noise token (see ``dspark.py``).
     dspark_block_size: int | None = None
     dspark_target_layer_ids: list[int] | None = None
+    dspark_markov_rank: int | None = None
+    dspark_noise_token_id: int | None = None
     # Legacy (DeepSeek) spellings, folded into the fields above.
     compress_ratios: list[int] | None = None
     num_hash_layers: int | None = None
@@ -101,11 +111,18 @@ class ModelArgs(BaseModelArgs):
         n = self.num_hidden_layers
         rates = dict(_DEFAULT_COMPRESS_RATES)
         rates.update(self.compress_rates or {})
+        legacy = [int(r) for r in self.compress_ratios or []]
+        if HCA not in (self.compress_rates or {}):
+            # DeepSeek's spelling gives ratios, not types: ratio 4 is CSA (overlapping
+            # windows, an indexer), any other positive ratio HCA at that ratio.
+            hca = sorted({r for r in legacy if r not in (0, rates[CSA])})
+            if len(hca) > 1:
+                raise ValueError(f"compress_ratios has several HCA ratios {hca}; one is read.")
+            if hca:
+                rates[HCA] = hca[0]
         self.compress_rates = rates
-
-        legacy = list(self.compress_ratios or [])
         if self.layer_types is None and legacy:
-            self.layer_types = [_RATIO_TO_TYPE[int(r)] for r in legacy[:n]]
+            self.layer_types = [_ratio_type(r, rates) for r in legacy[:n]]
         if self.layer_types is None:
             interleave = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
             self.layer_types = [HCA] * min(n, 2) + interleave
@@ -119,7 +136,7 @@ class ModelArgs(BaseModelArgs):
         self.mlp_layer_types = list(self.mlp_layer_types[:n])
 
         if self.mtp_layer_types is None:
-            extra = [_RATIO_TO_TYPE[int(r)] for r in legacy[n:]]
+            extra = [_ratio_type(r, rates) for r in legacy[n:]]
             n_mtp = self.num_nextn_predict_layers
             self.mtp_layer_types = (extra + [SLIDING] * n_mtp)[:n_mtp]
 

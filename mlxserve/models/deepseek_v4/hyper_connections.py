@@ -11,14 +11,19 @@ Its Sinkhorn normalisation runs through ``mlxserve.kernels.sinkhorn``: one launc
 CUDA, where v41's op loop is ~80.
 
 A decode step or a verify forward is bound by launches and the host's graph
-building (about 180 nodes per layer), and the hyper-connections around each block
-are a string of tiny element-wise ops. ``enter`` and ``leave`` therefore run under
-``mx.compile`` for forwards of a few rows (the tuning's ``compiled_hc_max_rows``, set
-by ``Model.tune``): each element-wise string becomes one kernel, and the host replays
-a traced graph. Larger forwards (a prefill) keep the ops, so no compilation is made
-per prompt length. The compiled functions compute the same ops in the same order;
-each checks itself once per process against the ops (``compiled_agrees``) and is not
-used if it disagrees.
+building, and the hyper-connections around each block are a string of tiny ops:
+as ops, 13-14 kernels to enter a block and 2 to leave it. ``enter`` and ``leave``
+therefore run fused for forwards of a few rows (the tuning's
+``compiled_hc_max_rows``, set by ``Model.tune``), under ``mx.compile``, written so
+that every element-wise string has one shape and becomes one kernel: the mix's
+columns are scaled by masks instead of a gathered scale vector, split by views,
+normalised by one softmax over all its rows, and the collapse and the new streams
+are sums over the ``hc`` streams written out (no reduction, no matmul). Entering is
+then the RMSNorm, the mix's matmul, five fused kernels and the Sinkhorn; leaving is
+one kernel. Larger forwards (a prefill) keep the ops, so no compilation is made per
+prompt length. Only the order of the few float32 terms of each sum differs from the
+ops; each fused function checks itself once per process against the ops
+(``compiled_agrees``) and is not used if it differs by more than 1e-5.
 """
 
 from __future__ import annotations
@@ -87,18 +92,72 @@ def _enter(
 
 
 @cache
+def _mix_masks(hc: int) -> tuple[mx.array, mx.array, mx.array]:
+    """[2 + hc, 1] float masks of the mix's rows: pre, post, the comb's rows."""
+    rows = mx.arange(2 + hc)[:, None]
+    masks = (rows == 0, rows == 1, rows >= 2)
+    out = tuple(m.astype(mx.float32) for m in masks)
+    mx.eval(out)
+    return out[0], out[1], out[2]
+
+
+def _fused_enter(
+    streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, constants: MixConstants
+) -> tuple[mx.array, mx.array, mx.array]:
+    """`_enter` with one shape per element-wise string (module docstring)."""
+    hc = constants.hc
+    is_pre, is_post, is_comb = _mix_masks(hc)
+    batch, length = streams.shape[:2]
+    flat = streams.reshape(batch, length, -1).astype(mx.float32)
+    flat = mx.fast.rms_norm(flat, None, constants.norm_eps)
+    mix = (flat @ fn.T).reshape(batch, length, 2 + hc, hc)
+    # The same products as scaling by the gathered scale (x * 1 + 0 + 0 is x).
+    mix = (
+        mix * scale[0:1] * is_pre
+        + mix * scale[1:2] * is_post
+        + mix * scale[2:3] * is_comb
+        + base.reshape(2 + hc, hc)
+    )
+    comb = mx.softmax(mix, axis=-1)[:, :, 2:] + constants.hc_eps
+    post = 2.0 * mx.sigmoid(mix[:, :, 1])
+    wide = streams.shape[:2] + streams.shape[3:]
+
+    def pre(i: int) -> mx.array:
+        return mx.broadcast_to(mx.sigmoid(mix[:, :, 0, i : i + 1]) + constants.hc_eps, wide)
+
+    x = pre(0) * streams[:, :, 0].astype(mx.float32)
+    for i in range(1, hc):
+        x = x + pre(i) * streams[:, :, i].astype(mx.float32)
+    return x.astype(streams.dtype), post, comb
+
+
+def _fused_leave(
+    block_out: mx.array, streams: mx.array, post: mx.array, comb: mx.array
+) -> mx.array:
+    """`expand` as one element-wise string: stream i gets post_i * out + sum_j comb_ji *
+    stream_j, the sum written out over the ``hc`` streams."""
+    hc = streams.shape[2]
+    out = post[..., None] * block_out[:, :, None, :].astype(mx.float32)
+    for j in range(hc):
+        row = mx.swapaxes(comb[:, :, j : j + 1, :], -1, -2)  # comb_j. as a column [B, S, hc, 1]
+        out = out + row * streams[:, :, j : j + 1, :].astype(mx.float32)
+    return out.astype(streams.dtype)
+
+
+@cache
 def _compiled(name: str, constants: MixConstants) -> Any:
-    """`enter` or `leave` under ``mx.compile``, for one set of constants (the
+    """The fused `enter` or `leave` under ``mx.compile``, for one set of constants (the
     compilation then retraces per input shape, of which a server sees a few)."""
     if name == "enter":
+        _mix_masks(constants.hc)  # built before tracing: constants of the trace
 
         def enter(
             streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array
         ) -> tuple[mx.array, mx.array, mx.array]:
-            return _enter(streams, fn, scale, base, constants)
+            return _fused_enter(streams, fn, scale, base, constants)
 
         return mx.compile(enter)
-    return mx.compile(expand)
+    return mx.compile(_fused_leave)
 
 
 @cache
@@ -109,15 +168,17 @@ def compiled_agrees(constants: MixConstants) -> bool:
     hc, dim, mix = constants.hc, 8, (2 + constants.hc) * constants.hc
     streams = mx.random.normal((2, 3, hc, dim), key=mx.random.key(1))
     fn = mx.random.normal((mix, hc * dim), key=mx.random.key(2))
-    scale = mx.random.uniform(shape=(mix,), key=mx.random.key(3))
+    scale = mx.random.uniform(shape=(3,), key=mx.random.key(3))
     base = mx.random.normal((mix,), key=mx.random.key(4))
     block_out = mx.random.normal((2, 3, dim), key=mx.random.key(5))
+    ids = mx.array([0] * hc + [1] * hc + [2] * hc * hc)
     try:
         ours = _compiled("enter", constants)(streams, fn, scale, base)
-        theirs = _enter(streams, fn, scale, base, constants)
+        theirs = _enter(streams, fn, scale[ids], base, constants)
         comb = mx.softmax(ours[2], axis=-1)
         ours_out = _compiled("leave", constants)(block_out, streams, ours[1], comb)
         theirs_out = expand(block_out, streams, ours[1], comb)
+        mx.eval(ours, ours_out)
         worst = max(
             float(mx.abs(a - b).max())
             for a, b in zip((*ours, ours_out), (*theirs, theirs_out), strict=True)
@@ -157,10 +218,11 @@ class HyperConnection(V41HyperConnection):
 
     def enter(self, streams: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """(the block's input: the streams collapsed [B, S, D], post, comb)."""
-        scale = self.scale[self._scale_ids]
         if self._compiles(streams):
-            x, post, comb = _compiled("enter", self.constants)(streams, self.fn, scale, self.base)
+            fused = _compiled("enter", self.constants)
+            x, post, comb = fused(streams, self.fn, self.scale, self.base)
         else:
+            scale = self.scale[self._scale_ids]
             x, post, comb = _enter(streams, self.fn, scale, self.base, self.constants)
         return x, post, sinkhorn(comb, iters=self.iters, eps=self._eps)
 

@@ -59,6 +59,9 @@ class Indexer(Module):
         if keys is None or keys.shape[1] <= self.index_topk:
             return None
         scores = self._scores(x, q_residual, keys, start, rope)  # [B, S, N]
+        if x.shape[1] == 1 and keys.shape[1] <= (start + 1) // self.ratio:
+            # One query that sees every entry (a decode step): nothing to mask.
+            return self._top(scores)
         visible = visible_entries(start, x.shape[1], self.ratio)
         scores = mx.where(mx.arange(keys.shape[1])[None, :] < visible, scores, -mx.inf)
         chosen = self._top(scores)

@@ -10,8 +10,9 @@ is split so a multi-token-prediction (MTP) head can reuse the trunk:
 MTP weights (``mtp.I.*``) are kept: ``sanitize`` attaches ``MTPBlock`` modules holding
 them (a decoder layer plus ``e_proj``, ``h_proj``, ``enorm``, ``hnorm``, ``norm`` and
 ``hc_head``). ``Model.mtp_forward`` / ``make_mtp_cache`` run them (see ``mtp.py``).
-A DSpark draft head in ``mtp.*`` (DeepSeek-V4-Flash-0731) is dropped instead: the
-model then has no MTP blocks and is served without drafting (see ``dspark.py``).
+A DSpark draft head in ``mtp.*`` (DeepSeek-V4-Flash-0731) becomes ``model.dspark``
+instead (no MTP blocks); ``forward_hidden(taps=...)`` gives it the layers it reads
+(see ``dspark.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from mlxserve.hardware.tuning import EngineTuning
 from .attention import Attention
 from .cache import LayerCache, RowCaches
 from .config import ModelArgs
-from .dspark import drop_draft_head, has_dspark_head
+from .dspark import attach_head, has_dspark_head, split_head
 from .hyper_connections import HyperConnection, HyperHead
 from .moe import MoE
 from .mtp import mtp_fill, mtp_forward
@@ -104,13 +105,20 @@ class TextModel(Module):
         self.hc_head = HyperHead(args)
 
     def streams(
-        self, inputs: mx.array, cache: Sequence[AnyCache], queue_every: int = 0
+        self,
+        inputs: mx.array,
+        cache: Sequence[AnyCache],
+        queue_every: int = 0,
+        taps: Sequence[int] = (),
+        tapped: list[mx.array] | None = None,
     ) -> mx.array:
         h = self.embed_tokens(inputs)
         batch, length, dim = h.shape
         streams = mx.broadcast_to(h[:, :, None, :], (batch, length, self.hc_mult, dim))
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
             streams = layer(streams, inputs, layer_cache)
+            if tapped is not None and i in taps:
+                tapped.append(streams.mean(axis=2))  # a DSpark head's tap (``dspark.py``)
             if queue_every and (i + 1) % queue_every == 0 and i + 1 < len(self.layers):
                 mx.async_eval(streams)  # type: ignore[no-untyped-call]
         return streams
@@ -136,6 +144,8 @@ class Model(Module):
         inputs: mx.array,
         cache: Sequence[AnyCache] | None = None,
         queue_every: int = 0,
+        taps: Sequence[int] = (),
+        tapped: list[mx.array] | None = None,
     ) -> mx.array:
         """Residual streams [B, S, hc_mult, D] after the last layer, before ``hc_head``.
 
@@ -146,10 +156,11 @@ class Model(Module):
         forward whose result is waited for at once (a speculative verify), where
         nothing else overlaps its graph building, and for a prefill chunk, whose
         activations a GPU frees only once the device has run them. The result is the
-        same.
+        same. ``tapped``, when given, receives the mean over the streams of each layer in
+        ``taps`` (0-based), in order: what a DSpark draft head reads (``dspark.py``).
         """
         cache = cache if cache is not None else self.make_cache()
-        return self.model.streams(inputs, cache, queue_every)
+        return self.model.streams(inputs, cache, queue_every, taps, tapped)
 
     def head_from_streams(self, streams: mx.array) -> mx.array:
         """Logits from residual streams: ``hc_head``, final norm, ``lm_head``."""
@@ -202,13 +213,16 @@ class Model(Module):
 
     def tune(self, tuning: EngineTuning) -> None:
         """Run every layer, the MTP blocks' too, with the tuning's knobs: forwards of
-        how many rows compile their hyper-connections, and whether a few queries'
-        attention is split per query."""
+        how many rows compile their hyper-connections and fuse their other small ops,
+        and whether a few queries' attention is split per query."""
         for module in self.modules():  # type: ignore[no-untyped-call]
             if isinstance(module, HyperConnection):
                 module.compiled_max_rows = tuning.compiled_hc_max_rows
             elif isinstance(module, Attention):
                 module.split_attention_queries = tuning.split_attention_queries
+                module.fused_max_rows = tuning.compiled_decode_max_rows
+            elif isinstance(module, MoE):
+                module.fused_max_rows = tuning.compiled_decode_max_rows
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """Accept the ``transformers`` / DeepSeek layouts (see ``sanitize.py``).
@@ -216,15 +230,18 @@ class Model(Module):
         MTP tensors are kept; the ``MTPBlock`` modules that receive them are created
         here, because only the checkpoint tells whether it ships them.
         """
+        head: dict[str, mx.array] = {}
         if has_dspark_head(vars(self.args), weights):
-            weights = drop_draft_head(weights)  # a DSpark head, which MTP cannot run
+            # -0731's DSpark draft head, not MTP blocks: ``model.dspark`` (``dspark.py``).
+            weights, draft = split_head(weights)
+            head = attach_head(self, draft)
         clean = sanitize_weights(weights, self.args.o_groups)
         count = mtp_block_count(clean)
         if count and len(self.mtp) != count:
             types = self.args.mtp_layer_types or []
             types = (types + ["sliding_attention"] * count)[:count]
             self.mtp = [MTPBlock(self.args, t) for t in types]
-        return clean
+        return {**clean, **head}
 
     def load_weights(
         self, file_or_weights: str | list[tuple[str, mx.array]], strict: bool = True

@@ -7,15 +7,25 @@ YaRN-scaled). The frequencies are computed here, mirroring ``transformers``
 (``_compute_yarn_parameters`` with its always-on ``truncate``), rather than with
 ``mlx_lm``'s ``YarnRoPE``, because V4 takes the attention factor straight from the
 config instead of from ``mscale``.
+
+A call rotates the whole head in one ``mx.fast.rope`` (one kernel), not a slice
+rotated and concatenated back to the rest (two kernels and a copy): the channels
+left alone get an infinite wavelength, so their angle is 0 and cos 1, sin 0 leave
+them exactly as they were. It checks itself once per process and shape against the
+slice-and-concatenate form and steps aside with a warning if the two differ.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from functools import cache
 from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
+
+log = logging.getLogger(__name__)
 
 
 def _inverse_frequencies(params: dict[str, Any], dim: int, max_positions: int) -> mx.array:
@@ -59,6 +69,61 @@ def _attention_factor(params: dict[str, Any], max_positions: int) -> float:
     return mscale(factor)
 
 
+def _padded(wavelengths: mx.array, width: int) -> mx.array:
+    """``wavelengths`` of the trailing pairs of a ``width``-channel head, infinite (no
+    rotation) for the leading ones."""
+    still = (width - 2 * wavelengths.shape[0]) // 2
+    sign = -1.0 if float(wavelengths[0]) < 0 else 1.0
+    return mx.concatenate([mx.full((still,), sign * mx.inf, dtype=mx.float32), wavelengths])
+
+
+def _sliced(
+    x: mx.array, dims: int, offset: int | mx.array, scale: float, freqs: mx.array
+) -> mx.array:
+    """The trailing ``dims`` channels rotated, the rest concatenated back (float32)."""
+    head, tail = x[..., :-dims], x[..., -dims:]
+    tail = mx.fast.rope(
+        tail.astype(mx.float32),
+        dims,
+        traditional=True,
+        base=None,
+        scale=scale,
+        offset=offset,
+        freqs=freqs,
+    )
+    return mx.concatenate([head.astype(mx.float32), tail], axis=-1)
+
+
+@cache
+def whole_head_agrees(width: int, dims: int) -> bool:
+    """Whether one rotation of the whole head with infinite wavelengths for the
+    leading channels equals the slice-and-concatenate form here (once per process and
+    shape; positions in one and in several rows, both directions)."""
+    wavelengths = 10000.0 ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    x = mx.random.normal((2, 3, 5, width), key=mx.random.key(7)) * 4
+    try:
+        for freqs in (wavelengths, -wavelengths):
+            for offset in (11, mx.array([3, 1000003])):
+                ours = mx.fast.rope(
+                    x,
+                    width,
+                    traditional=True,
+                    base=None,
+                    scale=2.0,
+                    offset=offset,
+                    freqs=_padded(freqs, width),
+                )
+                theirs = _sliced(x, dims, offset, 2.0, freqs)
+                if not bool(mx.array_equal(ours, theirs)):
+                    worst = float(mx.abs(ours - theirs).max())
+                    log.warning("one-kernel RoPE differs by %g: rotating a slice", worst)
+                    return False
+    except (RuntimeError, ValueError) as exc:
+        log.warning("one-kernel RoPE failed (%s): rotating a slice", exc)
+        return False
+    return True
+
+
 class PartialRoPE(Module):
     """Rotate the trailing ``dims`` channels of ``x`` (positions on axis -2)."""
 
@@ -68,6 +133,20 @@ class PartialRoPE(Module):
         # Private attributes are not parameters, so nothing is loaded or quantised here.
         self._wavelengths = 1.0 / _inverse_frequencies(params, dims, max_positions)
         self._factor = _attention_factor(params, max_positions)
+        # The whole-head frequencies of each direction, by head width (`_freqs`).
+        self._whole: dict[tuple[int, bool], mx.array] = {}
+
+    def _freqs(self, width: int, inverse: bool) -> mx.array | None:
+        """Frequencies rotating a whole ``width``-channel head in one kernel, or None
+        where that does not hold (an attention factor, a check that failed)."""
+        if self._factor != 1.0 or not whole_head_agrees(width, self.dims):
+            return None
+        key = (width, inverse)
+        if key not in self._whole:
+            freqs = _padded(-self._wavelengths if inverse else self._wavelengths, width)
+            mx.eval(freqs)
+            self._whole[key] = freqs
+        return self._whole[key]
 
     def __call__(
         self,
@@ -85,6 +164,18 @@ class PartialRoPE(Module):
         """
         if self.dims == 0:
             return x
+        whole = self._freqs(x.shape[-1], inverse)
+        if whole is not None:
+            out = mx.fast.rope(
+                x.astype(mx.float32),
+                x.shape[-1],
+                traditional=True,
+                base=None,
+                scale=scale,
+                offset=offset,
+                freqs=whole,
+            )
+            return out.astype(x.dtype)
         head, tail = x[..., : -self.dims], x[..., -self.dims :]
         freqs = -self._wavelengths if inverse else self._wavelengths
         tail = mx.fast.rope(

@@ -7,7 +7,8 @@ Accepted layouts (each may carry a leading ``model.``, as ``transformers``'
   ``hc_head.hc_fn`` / ``hc_head_fn``, ``layers.N.{attn,ffn,attn_norm,ffn_norm,hc_attn_*,
   hc_ffn_*}`` with one tensor per expert (``ffn.experts.E.w1``), and
   ``mtp.I.*`` (MTP blocks, same per-layer names plus ``e_proj``, ``h_proj``, ``enorm``,
-  ``hnorm``, ``norm`` and ``hc_head_*``).
+  ``hnorm``, ``norm`` and ``hc_head_*``). The attention's kv norm is published as
+  ``attn.kv_norm`` (``attn.norm`` in ``transformers``' names and in MLX's).
 * The output of this function (already converted / quantised MLX checkpoints): it is
   idempotent.
 
@@ -47,6 +48,7 @@ _BLOCK_RENAMES = (
     (".shared_experts.w2.", ".shared_experts.down_proj."),
     (".shared_experts.w3.", ".shared_experts.up_proj."),
     (".gate.e_score_correction_bias", ".gate.bias"),
+    (".attn.kv_norm.", ".attn.norm."),
 )
 _TOP_LEVEL = {
     "embed.weight": "model.embed_tokens.weight",

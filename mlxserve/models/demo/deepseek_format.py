@@ -10,13 +10,18 @@ demo's special tokens to DeepSeek's: ``<|bos|>`` becomes ``<｜begin▁of▁sent
 ``<think>``, ``</think>`` and the DSML markers are ordinary text to this tokenizer,
 which the server reads as text anyway. The model was not trained on this format, so
 its answers are its demo answers, not DeepSeek's behaviour.
+
+The weights and ``config.json`` are in DeepSeek's published layout too (``embed.weight``,
+``layers.N.attn.kv_norm.weight``, one tensor per expert...; its HCA ratio 16 is not
+one ``compress_ratios`` may say, so the config keeps ``layer_types``; see
+``deepseek_v4/publish.py``), written from the loaded demo with its quantised experts
+dequantised to float32, so the same function is computed; the checkpoint thus also
+exercises the loader's reading of the published names end to end.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,8 @@ RENAMED = {
     "<|pad|>": "<｜▁pad▁｜>",
 }
 SUFFIX = "-deepseek-format"
+#: Bump when this variant's output changes for the same demo build (2: published layout).
+VARIANT_VERSION = "3"
 
 
 def _rename(value: Any) -> Any:
@@ -58,18 +65,31 @@ def _write_tokenizer(source: Path, target: Path) -> None:
     )
 
 
+def _write_published_weights(source: Path, target: Path) -> None:
+    """The demo's weights and config in DeepSeek's published names and spelling."""
+    import mlx.core as mx
+
+    from ..deepseek_v4.publish import published_config, published_weights
+    from ..loader import load_model
+
+    model, config = load_model(source, memory_bytes=0)
+    weights = published_weights(model)
+    mx.save_safetensors(str(target / "model.safetensors"), weights, metadata={"format": "pt"})
+    tokens: dict[str, Any] = {
+        key: config[key] for key in ("bos_token_id", "eos_token_id") if key in config
+    }
+    published = published_config(model.args, tokens)
+    (target / "config.json").write_text(json.dumps(published, indent=2, sort_keys=True) + "\n")
+
+
 def build_deepseek_format_demo(out_dir: Path | None = None, progress: bool = True) -> Path:
     """Build (or reuse) the variant next to the demo build; return its directory."""
     base = build_demo_model(progress=progress)
-    digest = (base / MARKER).read_text().strip() + SUFFIX
+    digest = f"{(base / MARKER).read_text().strip()}{SUFFIX}-{VARIANT_VERSION}"
     target = Path(out_dir) if out_dir is not None else base.with_name(base.name + SUFFIX)
 
     def write(tmp: Path) -> None:
-        for name in ("model.safetensors", "config.json"):
-            try:
-                os.link(base / name, tmp / name)
-            except OSError:
-                shutil.copyfile(base / name, tmp / name)
+        _write_published_weights(base, tmp)
         _write_tokenizer(base, tmp)
 
     return build_once(target, digest, write)

@@ -64,7 +64,14 @@ HANG_TICK_S = 0.1  # how often the step counter is checked while requests wait
 VERIFY_S = 1.0  # how long a suspected engine has to answer a status request
 WAIT_TICK_S = 1.0  # how often a waiting request checks the engine's signs of life
 
-_Item = BackendEvent | BackendError  # an error: how this request ended, whose failure
+
+class _Check:
+    """A waiting request's turn to look at the engine's signs of life (`generate`)."""
+
+
+CHECK = _Check()
+# An error: how this request ended, whose failure; CHECK: time to look at the engine.
+_Item = BackendEvent | BackendError | _Check
 
 
 def _signal_group(proc: asyncio.subprocess.Process, sig: int) -> None:
@@ -232,6 +239,7 @@ class LocalEngine(Backend):
         self._connected = True
         self._tasks.append(asyncio.create_task(self._read(reader), name=f"{self.name}-read"))
         self._tasks.append(asyncio.create_task(self._watch_steps(), name=f"{self.name}-hang"))
+        self._tasks.append(asyncio.create_task(self._tick_waiting(), name=f"{self.name}-wait"))
         return hello
 
     async def stop(self) -> None:
@@ -344,6 +352,17 @@ class LocalEngine(Backend):
             self._lost(f"hung (no step finished for {evidence.stalled_for_s:.1f} s)")
             return
 
+    async def _tick_waiting(self) -> None:
+        """Every WAIT_TICK_S, each request whose queue is empty (it waits for the engine)
+        gets a CHECK: its turn to see whether the engine still shows signs of life. One
+        timer per engine, not one per token: a timeout around every wait for a token
+        (`asyncio.timeout`) made and cancelled a timer on each of them."""
+        while self._connected:
+            await asyncio.sleep(WAIT_TICK_S)
+            for queue in self._streams.values():
+                if queue.empty():
+                    queue.put_nowait(CHECK)
+
     # -- the channel ---------------------------------------------------------------------
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -449,12 +468,10 @@ class LocalEngine(Backend):
             self.detector.sent(request_id, started)
             self._send(Generate(id=request_id, params=params))
             while True:
-                try:
-                    # asyncio.timeout, not wait_for: no task per token (3.11's wait_for
-                    # wraps the get in one, an event-loop turn on every token).
-                    async with asyncio.timeout(WAIT_TICK_S):
-                        item = await queue.get()
-                except TimeoutError:
+                # No timeout per token: `_tick_waiting` hands a waiting request a CHECK
+                # every WAIT_TICK_S.
+                item = await queue.get()
+                if isinstance(item, _Check):
                     # Silence is measured on the engine, not this request: a request
                     # queued behind a long prefill waits as long as steps finish.
                     alive = max(self.state.last_ok, self.detector.moved_at, started)
@@ -466,7 +483,7 @@ class LocalEngine(Backend):
                     raise BackendUnavailable(
                         f"engine '{self.name}' showed no sign of life for "
                         f"{self._request_timeout_s:g} s"
-                    ) from None
+                    )
                 if isinstance(item, BackendError):
                     finished = True  # nothing left to cancel on the engine side
                     raise item

@@ -45,6 +45,7 @@ from mlxserve.server.routes.common import (
     usage_of,
     with_first,
 )
+from mlxserve.server.running_usage import RunningUsage
 from mlxserve.server.sse import sse_response
 from mlxserve.server.tokenizer import FrontTokenizer
 
@@ -101,7 +102,8 @@ async def chat_completions(request: Request) -> Response:
             speculative=last.speculative,
         )
         return JSONResponse(dump(completion), headers=backend_header(last))
-    chunks = _chunks(with_first(first, tagged), meta, answers, body.include_usage)
+    running = RunningUsage(prepared.prompt_tokens, body.continuous_usage)
+    chunks = _chunks(with_first(first, tagged), meta, answers, body.include_usage, running)
     return sse_response(chunks, headers=backend_header(first[1]))
 
 
@@ -198,6 +200,7 @@ async def _chunks(
     meta: dict[str, Any],
     answers: list[Answer],
     include_usage: bool,
+    running: RunningUsage,
 ) -> AsyncGenerator[dict[str, Any], None]:
     def chunk(
         index: int,
@@ -206,7 +209,7 @@ async def _chunks(
         logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
-        return dump(ChatCompletionChunk(**meta, choices=[choice]))
+        return dump(ChatCompletionChunk(**meta, choices=[choice], usage=running.of(index)))
 
     usages: dict[int, Usage] = {}
     try:
@@ -214,6 +217,7 @@ async def _chunks(
             yield chunk(index, ChatDelta(role="assistant", content=""))
         async for index, delta in deltas:
             answer = answers[index]
+            running.add(index, delta)
             calls_before = len(answer.output.tool_calls)
             logprobs = answer.logprobs_dict(delta.logprobs) if delta.logprobs else None
             piece_deltas = _piece_deltas(answer.add(delta), calls_before)

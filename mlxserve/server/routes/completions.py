@@ -29,6 +29,7 @@ from mlxserve.server.routes.common import (
     usage_of,
     with_first,
 )
+from mlxserve.server.running_usage import RunningUsage
 from mlxserve.server.sse import sse_response
 from mlxserve.server.tokenizer import FrontTokenizer
 
@@ -92,7 +93,10 @@ async def completions(request: Request) -> Response:
         usage = total_usage([usage_of(lasts[i]) for i in range(n)])
         completion = Completion(**meta, choices=choices, usage=usage, speculative=last.speculative)
         return JSONResponse(dump(completion), headers=backend_header(last))
-    chunks = _chunks(first, tagged, meta, body.include_usage, runtime.tokenizer, body.logprobs)
+    running = RunningUsage(prepared.prompt_tokens, body.continuous_usage)
+    chunks = _chunks(
+        first, tagged, meta, body.include_usage, runtime.tokenizer, body.logprobs, running
+    )
     return sse_response(chunks, headers=backend_header(first[1]))
 
 
@@ -109,6 +113,7 @@ async def _chunks(
     include_usage: bool,
     tokenizer: FrontTokenizer,
     logprobs: int | None,
+    running: RunningUsage,
 ) -> AsyncGenerator[dict[str, Any], None]:
     started: set[int] = set()
     offsets: dict[int, int] = {}
@@ -116,6 +121,7 @@ async def _chunks(
 
     try:
         async for index, delta in with_first(first, rest):
+            running.add(index, delta)
             if delta.text or delta.finish_reason is not None or index not in started:
                 started.add(index)
                 offset = offsets.get(index, 0)
@@ -126,7 +132,7 @@ async def _chunks(
                     logprobs=_logprobs(tokenizer, list(delta.logprobs or ()), logprobs, offset),
                 )
                 offsets[index] = offset + len(delta.text)
-                yield dump(Completion(**meta, choices=[choice]))
+                yield dump(Completion(**meta, choices=[choice], usage=running.of(index)))
             if delta.finish_reason is not None:
                 usages[index] = usage_of(delta)
         if include_usage and usages:
