@@ -71,6 +71,22 @@ class RoundCosts:
         )
 
 
+def interleaved_medians(
+    probes: dict[str, Callable[[], float]], trials: int, tick: Callable[[], None]
+) -> dict[str, float]:
+    """Each probe's median seconds over ``trials`` interleaved runs, after one
+    untimed warm-up round: interleaving spreads the device's drift over every probe
+    alike, so their ratios hold when the absolute times wander."""
+    times: dict[str, list[float]] = {name: [] for name in probes}
+    for trial in range(trials + 1):
+        for name, probe in probes.items():
+            seconds = probe()
+            tick()
+            if trial:
+                times[name].append(seconds)
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+
+
 def throwaway_state(
     adapter: MTPAdapter, context: int, max_rollback: int
 ) -> tuple[MTPState, mx.array]:
@@ -166,14 +182,7 @@ def measure_round_costs(
             probes["draft"] = draft
         for k in range(1, depth + 1):
             probes[f"round{k}"] = lambda k=k: whole_round(k)  # type: ignore[misc]
-    times: dict[str, list[float]] = {name: [] for name in probes}
-    for trial in range(trials + 1):
-        for name, probe in probes.items():
-            seconds = probe()
-            tick()
-            if trial:
-                times[name].append(seconds)
-    median = {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+    median = interleaved_medians(probes, trials, tick)
     return RoundCosts(
         plain=median["plain"],
         verify={k: median[f"verify{k}"] for k in range(1, depth + 1) if f"verify{k}" in median},

@@ -341,7 +341,7 @@ def measure_dspark_costs(
     """`DSparkAdapter.measure_costs`'s probes: ``verify[m]`` is the forward of m + 1
     tokens (m = 0: one token, synced), ``draft`` the head's whole block, ``rounds[k]``
     a round verifying all k drafts."""
-    from mlxserve.engine.spec.costs import RoundCosts
+    from mlxserve.engine.spec.costs import RoundCosts, interleaved_medians
 
     vocab = int(adapter.model.args.vocab_size)
     block = adapter.max_draft_depth
@@ -392,14 +392,7 @@ def measure_dspark_costs(
         probes[f"verify{m}"] = lambda m=m: verify(m)  # type: ignore[misc]
     for k in range(1, block + 1):
         probes[f"round{k}"] = lambda k=k: whole_round(k)  # type: ignore[misc]
-    times: dict[str, list[float]] = {name: [] for name in probes}
-    for trial in range(trials + 1):
-        for name, probe in probes.items():
-            seconds = probe()
-            tick()
-            if trial:
-                times[name].append(seconds)
-    median = {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+    median = interleaved_medians(probes, trials, tick)
     return RoundCosts(
         plain=median["plain"],
         verify={m: median["draft"] + median[f"verify{m}"] for m in range(block + 1)},
