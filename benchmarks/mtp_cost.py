@@ -69,6 +69,52 @@ FP8_PROJECTIONS = re.compile(
 DENSE_FORMATS = ("mxfp8", "float")
 
 
+def flash_config(layers: int, hidden: int, experts: int, vocab: int) -> dict[str, Any]:
+    """DeepSeek-V4-Flash's config (layer pattern, hash layers, hc_mult 4, top-6 MoE, one
+    MTP block) at ``hidden`` width: `flash_shaped` and `vs_mlx_vlm.py` build it."""
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "moe_intermediate_size": hidden // 2,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 8,
+        "head_dim": max(hidden // 4, 32),
+        "q_lora_rank": hidden // 2,
+        "num_experts_per_tok": 6,
+        "n_routed_experts": experts,
+        "sliding_window": 128,
+        "o_groups": 4,
+        "o_lora_rank": hidden // 2,
+        "index_n_heads": 8,
+        "index_head_dim": 32,
+        "index_topk": 64,
+        "hc_mult": 4,
+        "partial_rotary_factor": 0.125,
+        "num_nextn_predict_layers": 1,
+        "max_position_embeddings": 8192,
+    }
+
+
+def randomize(model: Any, experts: int, norms_near_one: bool = False) -> None:
+    """Random weights in place from MLX's current seed: matrices scaled by their fan-in,
+    vectors small (``norms_near_one``: norm weights about 1), hash routing tables of
+    expert ids."""
+    randomized = []
+    parameters = tree_flatten(model.parameters())
+    assert isinstance(parameters, list)
+    for name, value in parameters:
+        if mx.issubdtype(value.dtype, mx.floating):
+            value = mx.random.normal(value.shape) * (1.0 if value.ndim > 1 else 0.1)
+            if value.ndim > 1:
+                value = value / (value.shape[-1] ** 0.5)
+            if norms_near_one and name.endswith("norm.weight"):
+                value = 1 + value
+        else:  # hash routing tables
+            value = mx.random.randint(0, experts, value.shape).astype(value.dtype)
+        randomized.append((name, value))
+    model.update(tree_unflatten(randomized))
+
+
 def flash_shaped(
     layers: int, hidden: int, experts: int, vocab: int, seed: int = 0, dense: str = "mxfp8"
 ) -> Any:
@@ -86,45 +132,11 @@ def flash_shaped(
     from mlxserve.models.deepseek_v4.model import MTPBlock
     from mlxserve.models.demo.build import quantize_experts
 
-    head_dim = max(hidden // 4, 32)
-    args = ModelArgs.from_dict(
-        {
-            "vocab_size": vocab,
-            "hidden_size": hidden,
-            "moe_intermediate_size": hidden // 2,
-            "num_hidden_layers": layers,
-            "num_attention_heads": 8,
-            "head_dim": head_dim,
-            "q_lora_rank": hidden // 2,
-            "num_experts_per_tok": 6,
-            "n_routed_experts": experts,
-            "sliding_window": 128,
-            "o_groups": 4,
-            "o_lora_rank": hidden // 2,
-            "index_n_heads": 8,
-            "index_head_dim": 32,
-            "index_topk": 64,
-            "hc_mult": 4,
-            "partial_rotary_factor": 0.125,
-            "num_nextn_predict_layers": 1,
-            "max_position_embeddings": 8192,
-        }
-    )
+    args = ModelArgs.from_dict(flash_config(layers, hidden, experts, vocab))
     mx.random.seed(seed)
     model = Model(args)
     model.mtp = [MTPBlock(args, "sliding_attention")]
-    randomized = []
-    parameters = tree_flatten(model.parameters())  # type: ignore[no-untyped-call]
-    assert isinstance(parameters, list)
-    for name, value in parameters:
-        if mx.issubdtype(value.dtype, mx.floating):
-            value = mx.random.normal(value.shape) * (1.0 if value.ndim > 1 else 0.1)
-            if value.ndim > 1:
-                value = value / (value.shape[-1] ** 0.5)
-        else:  # hash routing tables
-            value = mx.random.randint(0, experts, value.shape).astype(value.dtype)
-        randomized.append((name, value))
-    model.update(tree_unflatten(randomized))
+    randomize(model, experts)
     quantize_experts(model)
     if dense == "mxfp8":
         quantize(

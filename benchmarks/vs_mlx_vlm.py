@@ -44,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_unflatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import mtp_cost
 from graph_nodes import count_nodes, kernels_of
 
 from mlxserve.channel.request import GenerationParams
@@ -78,27 +78,7 @@ def flash_config(
     from mlxserve.models.deepseek_v4 import ModelArgs
     from mlxserve.models.deepseek_v4.config import CSA, HCA
 
-    config: dict[str, Any] = {
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "moe_intermediate_size": hidden // 2,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 8,
-        "head_dim": max(hidden // 4, 32),
-        "q_lora_rank": hidden // 2,
-        "num_experts_per_tok": 6,
-        "n_routed_experts": experts,
-        "sliding_window": 128,
-        "o_groups": 4,
-        "o_lora_rank": hidden // 2,
-        "index_n_heads": 8,
-        "index_head_dim": 32,
-        "index_topk": 64,
-        "hc_mult": 4,
-        "partial_rotary_factor": 0.125,
-        "num_nextn_predict_layers": 1,
-        "max_position_embeddings": 8192,
-    }
+    config = mtp_cost.flash_config(layers, hidden, experts, vocab)
     if not csa:
         types = ModelArgs.from_dict(config).layer_types or []
         config["layer_types"] = [HCA if t == CSA else t for t in types]
@@ -116,20 +96,7 @@ def write_published(directory: Path, config: dict[str, Any], seed: int = 0) -> P
     model = Model(args)
     model.mtp = [MTPBlock(args, t) for t in args.mtp_layer_types or []]
     mx.random.seed(seed)
-    randomized = []
-    parameters = tree_flatten(model.parameters())  # type: ignore[no-untyped-call]
-    assert isinstance(parameters, list)
-    for name, value in parameters:
-        if mx.issubdtype(value.dtype, mx.floating):
-            value = mx.random.normal(value.shape) * (1.0 if value.ndim > 1 else 0.1)
-            if value.ndim > 1:
-                value = value / (value.shape[-1] ** 0.5)
-            if name.endswith("norm.weight"):
-                value = 1 + value
-        else:  # hash routing tables
-            value = mx.random.randint(0, args.n_routed_experts, value.shape).astype(value.dtype)
-        randomized.append((name, value))
-    model.update(tree_unflatten(randomized))
+    mtp_cost.randomize(model, args.n_routed_experts, norms_near_one=True)
     directory.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(directory / "model.safetensors"), published_weights(model))
     config_json = published_config(args, {"bos_token_id": 0, "eos_token_id": 1})
