@@ -253,17 +253,7 @@ class Runtime:
                 }
                 for b in self.backends
             ],
-            "incidents": [
-                {
-                    "backend": i.backend,
-                    "kind": i.kind,
-                    "exit_code": i.exit_code,
-                    "plan_hash": i.plan_hash,
-                    "at": i.at,
-                    "evidence": i.evidence,
-                }
-                for i in self.supervisor.incidents
-            ],
+            "incidents": [i.summary() for i in self.supervisor.incidents],
         }
         ready = (
             not self.admission.draining

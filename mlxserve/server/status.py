@@ -139,12 +139,7 @@ def _backends(runtime: Runtime, listed: list[dict[str, Any]]) -> list[dict[str, 
 def _incidents(runtime: Runtime) -> list[dict[str, Any]]:
     return [
         {
-            "backend": i.backend,
-            "kind": i.kind,
-            "exit_code": i.exit_code,
-            "plan_hash": i.plan_hash,
-            "at": i.at,
-            "evidence": i.evidence,
+            **i.summary(),
             "output_tail": [line for line in i.output_tail[-OUTPUT_LINES:] if line.strip()],
         }
         for i in runtime.supervisor.incidents

@@ -57,6 +57,17 @@ class Incident:
     #: For a hang the front declared: what it saw (`mlxserve.reliability.hang.Evidence`).
     evidence: dict[str, Any] | None = None
 
+    def summary(self) -> dict[str, Any]:
+        """The incident as `/ready` and `/status` report it (its output tail aside)."""
+        return {
+            "backend": self.backend,
+            "kind": self.kind,
+            "exit_code": self.exit_code,
+            "plan_hash": self.plan_hash,
+            "at": self.at,
+            "evidence": self.evidence,
+        }
+
 
 def progress_timeout_s(backend: Backend) -> float:
     """The engine's watchdog timeout, from the plan it announced (0 when unknown)."""
