@@ -24,7 +24,7 @@ name; the numbers the forward computes are then meaningless, its graph is the GP
 Run: python benchmarks/graph_nodes.py [--layers 43] [--tokens 1,2,6] [--hc-ops]
                                       [--masked-attention] [--plain-layers]
                                       [--per-layer] [--batches 1,4]
-                                      [--fast-ops-as-one-node]
+                                      [--fast-ops-as-one-node] [--no-hc-kernel]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import re
 import tempfile
 from collections.abc import Iterator
@@ -45,7 +46,9 @@ from mlxserve.engine.spec.mtp import MTPAdapter, trim_exactly
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.hardware.tuning import EngineTuning, default_tuning
+from mlxserve.kernels import hyper_connection as hc_kernel_module
 from mlxserve.kernels import sinkhorn as sinkhorn_module
+from mlxserve.models.deepseek_v4 import hyper_connections
 
 VIEWS = frozenset(
     [
@@ -69,6 +72,7 @@ STANDIN_NAMES = {
     "CumProd": "RoPE",
     "CumMax": "ScaledDotProductAttention",
     "CumMin": "CustomKernel(Sinkhorn)",
+    "CumLogAddExp": "CustomKernel(HyperConnection)",
 }
 
 
@@ -95,6 +99,57 @@ def _one_node(op: Any, x: mx.array, *others: Any) -> mx.array:
     return mx.depends([out], deps)[0] if deps else out
 
 
+def _outputs_of_one_node(
+    inputs: list[mx.array], outputs: list[tuple[tuple[int, ...], Any]]
+) -> list[mx.array]:
+    """Arrays of these (shape, dtype)s, all views of one node (a cumulative op
+    `STANDIN_NAMES` names) that depends on every array of `inputs`: what a custom
+    kernel with several outputs is in a GPU graph."""
+    sizes = [math.prod(shape) for shape, _ in outputs]
+    seed = next(a for a in inputs if a.dtype == mx.float32).reshape(-1)[:1]
+    flat = _one_node(mx.logcumsumexp, mx.broadcast_to(seed, (sum(sizes),)), *inputs)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [
+        flat[start : start + size].reshape(shape).astype(dtype)
+        for start, size, (shape, dtype) in zip(starts, sizes, outputs, strict=True)
+    ]
+
+
+def _hc_kernel_standins() -> tuple[Any, Any]:
+    """One-node stand-ins for `mlxserve.kernels.hyper_connection`'s enter and
+    leave_enter (their outputs' shapes and dtypes, not their values)."""
+
+    def shapes(streams: mx.array, dtype: Any) -> list[tuple[tuple[int, ...], Any]]:
+        batch, length, hc, dim = streams.shape
+        return [
+            ((batch, length, dim), dtype),
+            ((batch, length, hc), mx.float32),
+            ((batch, length, hc, hc), mx.float32),
+        ]
+
+    def enter(
+        streams: mx.array, mix: Any, weight: mx.array, consts: mx.array, dtype: Any, iters: int
+    ) -> tuple[mx.array, ...]:
+        return tuple(_outputs_of_one_node([streams, *mix, weight, consts], shapes(streams, dtype)))
+
+    def leave_enter(
+        block_out: mx.array,
+        streams: mx.array,
+        post: mx.array,
+        comb: mx.array,
+        mix: Any,
+        weight: mx.array,
+        consts: mx.array,
+        dtype: Any,
+        iters: int,
+    ) -> tuple[mx.array, ...]:
+        outs = [(tuple(streams.shape), streams.dtype), *shapes(streams, dtype)]
+        inputs = [block_out, streams, post, comb, *mix, weight, consts]
+        return tuple(_outputs_of_one_node(inputs, outs))
+
+    return enter, leave_enter
+
+
 def check_fast_paths(args: Any) -> None:
     """Let the layers' fast paths check themselves (against the real fast ops) before
     `fast_ops_as_one_node` replaces those: under it every check would fail."""
@@ -105,11 +160,12 @@ def check_fast_paths(args: Any) -> None:
 
 
 @contextlib.contextmanager
-def fast_ops_as_one_node(args: Any) -> Iterator[None]:
+def fast_ops_as_one_node(args: Any, hc_kernel: bool = True) -> Iterator[None]:
     """Count a GPU's graph on a CPU: RMSNorm, RoPE, SDPA and the Sinkhorn one node each
-    (module docstring), for a model of ``args``. Counting only: the values are not the
-    model's. Compiled functions traced inside keep the stand-ins, so use it in a
-    process of its own."""
+    (module docstring), for a model of ``args``; with ``hc_kernel``, the CUDA
+    hyper-connection kernel (``mlxserve.kernels.hyper_connection``) taken as on CUDA,
+    each call one node. Counting only: the values are not the model's. Compiled
+    functions traced inside keep the stand-ins, so use it in a process of its own."""
     check_fast_paths(args)
     fast: Any = mx.fast  # its functions replaced for a while
     saved = (fast.rms_norm, fast.rope, fast.scaled_dot_product_attention)
@@ -131,11 +187,20 @@ def fast_ops_as_one_node(args: Any) -> Iterator[None]:
 
     fast.rms_norm, fast.rope, fast.scaled_dot_product_attention = rms_norm, rope, sdpa
     sinkhorn_module.sinkhorn_compiled = sinkhorn
+    kernel: Any = hc_kernel_module  # its functions replaced for a while
+    saved_kernel = (kernel.available, kernel.enter, kernel.leave_enter)
+    saved_agrees = hyper_connections.cuda_agrees
+    if hc_kernel:
+        kernel.enter, kernel.leave_enter = _hc_kernel_standins()
+        kernel.available = lambda: True
+        hyper_connections.cuda_agrees = lambda *_: True  # type: ignore[assignment]
     try:
         yield
     finally:
         fast.rms_norm, fast.rope, fast.scaled_dot_product_attention = saved
         sinkhorn_module.sinkhorn_compiled = saved_sinkhorn
+        kernel.available, kernel.enter, kernel.leave_enter = saved_kernel
+        hyper_connections.cuda_agrees = saved_agrees
 
 
 def decode_layer_counts(
@@ -262,6 +327,12 @@ def main() -> None:
         action="store_true",
         help="count a GPU's graph on a CPU (fast ops and the Sinkhorn one node each)",
     )
+    parser.add_argument(
+        "--no-hc-kernel",
+        action="store_true",
+        help="with --fast-ops-as-one-node: count without the CUDA hyper-connection kernel "
+        "(what Metal runs)",
+    )
     args = parser.parse_args()
     tuning = default_tuning()
     if args.hc_ops:
@@ -273,7 +344,9 @@ def main() -> None:
     configure_cuda_graphs()
     model = flash_shaped(args.layers, 512, 64, 8192, dense=args.dense)
     standins = (
-        fast_ops_as_one_node(model.args) if args.fast_ops_as_one_node else contextlib.nullcontext()
+        fast_ops_as_one_node(model.args, hc_kernel=not args.no_hc_kernel)
+        if args.fast_ops_as_one_node
+        else contextlib.nullcontext()
     )
     result: dict[str, Any] = {
         "benchmark": "graph_nodes",
@@ -283,6 +356,7 @@ def main() -> None:
         "layers_fused": not args.plain_layers,
         "attention_split_per_query": tuning.split_attention_queries,
         "fast_ops_as_one_node": args.fast_ops_as_one_node,
+        "hc_kernel_counted": args.fast_ops_as_one_node and not args.no_hc_kernel,
         "device": benchmark_device(),
     }
     with standins:

@@ -18,10 +18,19 @@ It reports, on the default device:
   weight-read bound: the bytes one step reads (every dense weight, the lm_head, and
   per layer the distinct experts the batch's 6 picks each touch, expected under
   uniform routing) over the measured bandwidth;
-- `prefill`: at each context of `--contexts` (skipped where the cache and
-  activations would not fit `--memory-gb`), tok/s against a FLOP bound (the
-  forward's FLOPs over a measured bf16 matmul rate on this device), with the peak
-  memory and the cache's bytes, against the cache bytes the layer shapes predict;
+- `prefill`: at each context of `--contexts` (skipped where the weights, the cache
+  and the working set would not fit `--memory-gb`), tok/s against a FLOP bound (the
+  layers' FLOPs over a measured bf16 matmul rate on this device; no head, as the
+  engine's prefill), then the first decode step, and the peak memory of the two
+  against what the docs predict a sequence holds (the weights and the cache the layer
+  shapes give: `peak_over_predicted`, target <= 1.10), the prefill's working set (its
+  peak above what was held at the start) and the cache's bytes. `--seeded` times each
+  context's last chunk alone over caches seeded as the earlier chunks leave them
+  (the largest working set, without the prefill before it: 100K on a CPU);
+  `--compare-dense` also runs each context with a prefill chunk's attention as one
+  masked call and its index scores all at once (the code before blocked prefill
+  attention), in the same process; `--moe full` runs the routed experts in
+  expert-aligned 64-row tiles;
 - `graph_nodes`: non-view nodes per decode layer by primitive, fused and plain
   (`graph_nodes.decode_layer_counts`; on a CPU the fast ops decompose, see there);
 - `mtp`: the engine's own round costs (`measure_round_costs`) and, at oracle
@@ -29,7 +38,12 @@ It reports, on the default device:
   (the bound `mtp_cost.py` checks real rounds against), in plain steps.
 
 Run (GPU):  python benchmarks/real_width.py --layers 8
+Prefill against the code before blocked attention (GPU):
+    python benchmarks/real_width.py --layers 8 --skip decode,nodes,mtp \
+        --contexts 4096,32768,102400 --compare-dense
 CPU, short: python benchmarks/real_width.py --layers 1 --quick
+CPU, 100K: python benchmarks/real_width.py --layer-types csa --experts 8 --seeded \
+    --contexts 102400 --prefill-chunk 256 --skip decode,nodes,mtp --memory-gb 20
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.nn.layers.quantized import quantize
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.switch_layers import SwitchLinear
@@ -61,11 +76,21 @@ FLOAT32 = ("hc_", "attn_sink", "gate.bias", "ape", ".fn", ".base", ".scale")
 GB = 1e9
 
 
-def flash_args(layers: int, experts: int) -> Any:
-    """V4-Flash's published arguments at `layers` layers (and `experts` routed experts)."""
+#: `--layer-types`' short names.
+LAYER_KINDS = {
+    "csa": "compressed_sparse_attention",
+    "hca": "heavily_compressed_attention",
+    "sliding": "sliding_attention",
+}
+
+
+def flash_args(layers: int, experts: int, layer_types: list[str] | None = None) -> Any:
+    """V4-Flash's published arguments at `layers` layers (and `experts` routed experts);
+    `layer_types` (short names, one per layer) in place of the published pattern."""
     from mlxserve.models.deepseek_v4 import ModelArgs
 
-    return ModelArgs(num_hidden_layers=layers, n_routed_experts=experts)
+    types = None if layer_types is None else [LAYER_KINDS[t] for t in layer_types]
+    return ModelArgs(num_hidden_layers=layers, n_routed_experts=experts, layer_types=types)
 
 
 def _bits(shape: tuple[int, ...], width: int, key: mx.array) -> mx.array:
@@ -105,15 +130,21 @@ def _random_codes(shape: tuple[int, ...], eight_bit: bool, key: mx.array) -> mx.
     return codes & 0xBFBFBFBF if eight_bit else codes
 
 
-def build(layers: int, experts: int = 256, seed: int = 0) -> Any:
-    """The model (module docstring), evaluated."""
+def build(
+    layers: int,
+    experts: int = 256,
+    seed: int = 0,
+    layer_types: list[str] | None = None,
+    norm_dtype: str = "float32",
+) -> Any:
+    """The model (module docstring), evaluated; its RMSNorm weights in ``norm_dtype``."""
     from mtp_cost import FP8_PROJECTIONS  # beside this file
 
     from mlxserve.engine.core.build import materialize
     from mlxserve.models.deepseek_v4 import Model
     from mlxserve.models.deepseek_v4.model import MTPBlock
 
-    args = flash_args(layers, experts)
+    args = flash_args(layers, experts, layer_types)
     model = Model(args)
     model.mtp = [MTPBlock(args, "sliding_attention")]
     # The quantised modules' shapes; their lazy initial values are never evaluated.
@@ -150,6 +181,8 @@ def build(layers: int, experts: int = 256, seed: int = 0) -> Any:
             if name.endswith("norm.weight"):
                 new = new + 1.0
             new = new.astype(mx.float32)
+            if name.endswith("norm.weight") and norm_dtype == "bfloat16":
+                new = new.astype(mx.bfloat16)
         else:
             new = _random_bf16(shape, shape[-1], part)
         mx.eval(new)  # one at a time: the peak is the model, not its graph
@@ -229,36 +262,52 @@ def decode_steps(model: Any, rows: int, context: int, steps: int) -> float:
     return statistics.median(times[1:])
 
 
-def forward_flops(model: Any, context: int) -> float:
-    """FLOPs of a prefill of `context` tokens: 2 per weight a token multiplies (its 6
-    experts and the dense ones, the lm_head on the last token only), the attention
-    over each query's window and entries, and the CSA indexer's scores."""
+def _weight_flops(layer: Any, args: Any) -> float:
+    """2 per weight one token multiplies in ``layer`` (its picked experts' share)."""
+    params = 0
+    flat: Any = tree_flatten(layer.parameters())
+    for name, value in flat:
+        count = int(value.size)
+        if value.dtype == mx.uint32:
+            count *= 32 // (4 if ".switch_mlp." in name else 8)
+        elif value.dtype == mx.uint8 or value.ndim < 2:
+            continue
+        if ".switch_mlp." in name:
+            count = count * args.num_experts_per_tok // args.n_routed_experts
+        params += count
+    return 2.0 * params
+
+
+def attention_flops(args: Any, kind: str, first: int, last: int) -> float:
+    """FLOPs of the attention of the queries at positions ``first .. last - 1`` in one
+    layer of ``kind``: 4 x heads x head_dim per key a query sees (its window, then its
+    picks or every closed entry), and in CSA layers 2 x index heads x index dim per
+    closed entry the indexer scores (once there are more than it picks)."""
+    t = np.arange(first, last, dtype=np.float64)
+    seen = np.minimum(args.sliding_window, t + 1)
+    ratio = args.compress_ratio(kind)
+    scored = np.zeros_like(t)
+    if ratio:
+        closed = np.floor((t + 1) / ratio)
+        if kind == LAYER_KINDS["csa"]:
+            scored = np.where(closed > args.index_topk, closed, 0.0)
+            closed = np.minimum(closed, args.index_topk)
+        seen = seen + closed
+    total = 4.0 * args.num_attention_heads * args.head_dim * seen.sum()
+    return float(total + 2.0 * args.index_n_heads * args.index_head_dim * scored.sum())
+
+
+def chunk_flops(model: Any, first: int, last: int) -> float:
+    """FLOPs of the layers' forward of positions ``first .. last - 1`` (a prefill chunk,
+    or the whole prefill from 0): every layer's weights for each token (its picked
+    experts, the dense ones) and its attention (`attention_flops`). The head is not
+    part of a prefill (the engine never evaluates a prefill's logits)."""
     args = model.args
-    per_token = 0.0
+    total = 0.0
     for layer, kind in zip(model.layers, args.layer_types, strict=True):
-        params = 0
-        flat: Any = tree_flatten(layer.parameters())
-        for name, value in flat:
-            count = int(value.size)
-            if value.dtype == mx.uint32:
-                count *= 32 // (4 if ".switch_mlp." in name else 8)
-            elif value.dtype == mx.uint8 or value.ndim < 2:
-                continue
-            if ".switch_mlp." in name:
-                count = count * args.num_experts_per_tok // args.n_routed_experts
-            params += count
-        per_token += 2 * params
-        ratio = args.compress_ratio(kind)
-        seen = min(args.sliding_window, context / 2)
-        if ratio == 4:
-            seen += min(args.index_topk, context / 2 / ratio)
-            # the indexer scores every causal entry, with 64 heads of 128
-            per_token += 2 * args.index_n_heads * args.index_head_dim * context / 2 / ratio
-        elif ratio:
-            seen += context / 2 / ratio
-        per_token += 4 * args.num_attention_heads * args.head_dim * seen
-    head = 2 * args.hidden_size * args.vocab_size
-    return float(per_token * context + head)
+        total += _weight_flops(layer, args) * (last - first)
+        total += attention_flops(args, kind, first, last)
+    return total
 
 
 def predicted_cache_bytes(model: Any, context: int) -> float:
@@ -281,31 +330,91 @@ def predicted_cache_bytes(model: Any, context: int) -> float:
     return total
 
 
-def prefill(model: Any, context: int, chunk: int) -> dict[str, Any]:
-    """tok/s of a prefill of `context` tokens in chunks (queued per layer, as the
-    engine does), its peak memory and its cache's bytes."""
-    cache = model.make_cache()
-    tokens = mx.random.randint(0, model.args.vocab_size, (1, context), key=mx.random.key(3))
+def last_chunk_start(context: int, chunk: int) -> int:
+    """Where the last chunk of a prefill of ``context`` tokens in ``chunk``s starts."""
+    return (context - 1) // chunk * chunk
+
+
+def _block_input(layer: Any, dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype a layer's attention gets from residual streams of ``dtype``: its
+    norm's (float32 when the norm's weight is)."""
+    width = layer.attn_norm.weight.shape[-1]
+    out: mx.Dtype = layer.attn_norm(mx.zeros((1, 1, width), dtype=dtype)).dtype
+    return out
+
+
+def prefill(model: Any, context: int, chunk: int, seeded: bool = False) -> dict[str, Any]:
+    """tok/s of a prefill of `context` tokens in chunks (queued per layer, and without
+    the head, as the engine runs one), or, `seeded`, of its last chunk alone over
+    caches holding the earlier tokens (`prefill_attention.seed_cache`: their shapes,
+    random values; the chunk the context makes slowest and largest, without the
+    prefill before it); then the first decode step (logits included). The peak memory
+    (MLX's) of each, the prefill's working set (its peak above what was held at the
+    start: the weights, and a seeded cache) and the cache's bytes."""
+    first = last_chunk_start(context, chunk) if seeded else 0
+    if seeded:
+        from prefill_attention import seed_cache  # beside this file
+
+        rows = model.model.embed_tokens.weight.dtype
+        cache = [
+            seed_cache(layer.attn, first, mx.random.key(7 + i), _block_input(layer, rows))
+            for i, layer in enumerate(model.layers)
+        ]
+    else:
+        cache = model.make_cache()
+    length = context - first
+    tokens = mx.random.randint(0, model.args.vocab_size, (1, length + 1), key=mx.random.key(3))
     mx.eval(tokens)
+    mx.clear_cache()
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     start = time.perf_counter()
-    for lo in range(0, context, chunk):
-        piece = tokens[:, lo : lo + chunk]
-        streams = model.forward_hidden(piece, cache, queue_every=1)
-        if lo + chunk >= context:
-            streams = model.head_from_streams(streams[:, -1:])
+    for lo in range(0, length, chunk):
+        streams = model.forward_hidden(tokens[:, lo : min(lo + chunk, length)], cache, 1)
         mx.eval(streams, [c.state for c in cache])
     seconds = time.perf_counter() - start
+    del streams
     cache_bytes = sum(c.nbytes for c in cache)
+    prefill_peak = mx.get_peak_memory()
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    logits = model(tokens[:, length:], cache)
+    mx.eval(logits, [c.state for c in cache])
+    step_s = time.perf_counter() - start
+    step_peak = mx.get_peak_memory()
     return {
+        "logits": logits[0, -1],
+        "first_position": first,
+        "tokens": length,
         "seconds": seconds,
-        "tok_s": context / seconds,
-        "peak_memory_gb": mx.get_peak_memory() / GB,
-        "peak_over_weights_gb": (mx.get_peak_memory() - before) / GB,
+        "tok_s": length / seconds,
+        "prefill_peak_gb": prefill_peak / GB,
+        "working_set_gb": (prefill_peak - before) / GB,
+        "first_step_s": step_s,
+        "first_step_peak_gb": step_peak / GB,
+        "peak_memory_gb": max(prefill_peak, step_peak) / GB,
         "cache_gb": cache_bytes / GB,
         "cache_dtype": str(cache[0].window.dtype) if cache[0].window is not None else None,
     }
+
+
+def working_set_bytes(model: Any, context: int, chunk: int, dense: bool) -> float:
+    """About the most a prefill chunk holds beside the weights and the cache: the
+    chunk's activations and the attention's groups (`prefill_attention.WORKING_BYTES`,
+    `indexer.SCORE_BYTES`), or, `dense`, its whole scores: every query of the chunk
+    against every window row and entry (bfloat16, four copies) and the indexer's
+    float32 scores of every entry (three)."""
+    from mlxserve.models.deepseek_v4.indexer import SCORE_BYTES
+    from mlxserve.models.deepseek_v4.prefill_attention import WORKING_BYTES
+
+    args = model.args
+    total = 40.0 * chunk * args.hidden_size * 4
+    if not dense:
+        return float(total + WORKING_BYTES + SCORE_BYTES)
+    keys = chunk + args.sliding_window + context / 4
+    total += 4 * 2 * args.num_attention_heads * chunk * keys
+    return float(total + 3 * 4 * args.index_n_heads * chunk * context / 4)
 
 
 def graph_nodes(model: Any, context: int) -> dict[str, Any]:
@@ -361,6 +470,34 @@ def main() -> None:
     parser.add_argument("--decode-context", type=int, default=1024, help="tokens per row")
     parser.add_argument("--steps", type=int, default=8, help="timed decode steps")
     parser.add_argument("--prefill-chunk", type=int, default=2048)
+    parser.add_argument(
+        "--seeded",
+        action="store_true",
+        help="time each context's last prefill chunk alone, over seeded caches",
+    )
+    parser.add_argument(
+        "--compare-dense",
+        action="store_true",
+        help="also prefill with the masked attention and all index scores at once",
+    )
+    parser.add_argument("--dense-max-context", type=int, default=32768)
+    parser.add_argument(
+        "--layer-types", default=None, help="one per layer: csa, hca or sliding (e.g. csa)"
+    )
+    parser.add_argument(
+        "--norm-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="RMSNorm weights: float32 (as the reference keeps them; MLX's norm then "
+        "gives float32 activations) or bfloat16 (bfloat16 activations throughout)",
+    )
+    parser.add_argument(
+        "--moe",
+        choices=("stock", "full"),
+        default="stock",
+        help="routed experts: mlx-lm's call, or the `full` variant's expert-aligned "
+        "64-row tiles (mlxserve.kernels.moe)",
+    )
     parser.add_argument("--memory-gb", type=float, default=70.0, help="skip what won't fit")
     parser.add_argument("--copy-mb", type=int, default=2048)
     parser.add_argument("--matmul", type=int, default=8192, help="matmul size of the rate")
@@ -379,9 +516,22 @@ def main() -> None:
         args.steps, args.copy_mb, args.matmul, args.prefill_chunk = 3, 256, 1024, 512
     experts = args.experts or 256
     skip = set(filter(None, args.skip.split(",")))
+    types = None
+    if args.layer_types:
+        types = args.layer_types.split(",")
+        unknown = [t for t in types if t not in LAYER_KINDS]
+        if unknown:
+            parser.error(f"--layer-types: {unknown[0]!r} is not one of {', '.join(LAYER_KINDS)}")
+        args.layers = len(types)
     configure_cuda_graphs()
     started = time.perf_counter()
-    model = _timed("build", lambda: build(args.layers, experts))
+    model = _timed(
+        "build", lambda: build(args.layers, experts, layer_types=types, norm_dtype=args.norm_dtype)
+    )
+    if args.moe == "full":
+        from mlxserve.kernels.apply import swap_switch_layers
+
+        swap_switch_layers(model, "full")
     built_s = time.perf_counter() - started
     bandwidth = _timed("copy", lambda: copy_bandwidth(args.copy_mb))
     result: dict[str, Any] = {
@@ -397,6 +547,8 @@ def main() -> None:
             "expert_width": model.args.moe_intermediate_size,
             "vocab": model.args.vocab_size,
             "experts_format": EXPERT_MODE[0],
+            "moe_variant": args.moe,
+            "norm_dtype": args.norm_dtype,
             "fp8_projections_format": DENSE_MODE[0],
             "weights_gb": _nbytes(model) / GB,
             "build_s": built_s,
@@ -424,30 +576,61 @@ def main() -> None:
             }
         result["decode"] = {"context_per_row": args.decode_context, "batches": decode}
     if "prefill" not in skip:
+        from prefill_attention import set_blocked  # beside this file
+
         rate = _timed("matmul", lambda: matmul_rate(args.matmul))
-        prefills: dict[str, Any] = {"matmul_flop_s": rate, "chunk": args.prefill_chunk}
         weights = _nbytes(model)
+        prefills: dict[str, Any] = {
+            "matmul_flop_s": rate,
+            "chunk": args.prefill_chunk,
+            "seeded": args.seeded,
+            "weights_gb": weights / GB,
+        }
         for context in (int(c) for c in args.contexts.split(",")):
             predicted = predicted_cache_bytes(model, context)
-            activations = 40 * args.prefill_chunk * model.args.hidden_size * 4
-            # the indexer's float32 scores of a chunk's queries, two copies
-            activations += 2 * 4 * model.args.index_n_heads * args.prefill_chunk * context // 4
-            if (weights + predicted + activations) / GB > args.memory_gb:
-                prefills[str(context)] = {"skipped": f"over --memory-gb {args.memory_gb}"}
-                continue
+            sides = ["blocked"]
+            if args.compare_dense and context <= args.dense_max_context:
+                sides.append("dense")
+            row: dict[str, Any] = {}
+            for side in sides:
+                dense = side == "dense"
+                need = (
+                    weights
+                    + predicted
+                    + working_set_bytes(model, context, args.prefill_chunk, dense)
+                )
+                if need / GB > args.memory_gb:
+                    row[side] = {"skipped": f"over --memory-gb {args.memory_gb}"}
+                    continue
+                set_blocked(model, not dense)
 
-            def fill(context: int = context) -> dict[str, Any]:
-                return prefill(model, context, args.prefill_chunk)
+                def fill(context: int = context) -> dict[str, Any]:
+                    return prefill(model, context, args.prefill_chunk, args.seeded)
 
-            run = _timed(f"prefill {context}", fill)
-            flops = forward_flops(model, context)
-            run.update(
-                flops=flops,
-                bound_s=flops / rate,
-                share_of_flop_bound=flops / rate / run["seconds"],
-                predicted_cache_gb=predicted / GB,
-            )
-            prefills[str(context)] = run
+                run = _timed(f"prefill {context} {side}", fill)
+                set_blocked(model, True)
+                flops = chunk_flops(model, run["first_position"], context)
+                run.update(
+                    flops=flops,
+                    bound_s=flops / rate,
+                    share_of_flop_bound=flops / rate / run["seconds"],
+                    predicted_cache_gb=predicted / GB,
+                    # What the docs predict a sequence holds: the weights and its cache.
+                    predicted_gb=(weights + predicted) / GB,
+                    peak_over_predicted=run["peak_memory_gb"] * GB / (weights + predicted),
+                )
+                row[side] = run
+            blocked, dense_run = row.get("blocked", {}), row.get("dense", {})
+            if "seconds" in blocked and "seconds" in dense_run:
+                row["speedup_over_dense"] = dense_run["seconds"] / blocked["seconds"]
+                # The first step's logits after each prefill (the same tokens and seeds).
+                ours, theirs = (r["logits"].astype(mx.float32) for r in (blocked, dense_run))
+                row["first_logits_max_abs_diff"] = float(mx.abs(ours - theirs).max())
+                row["first_logits_abs_max"] = float(mx.abs(theirs).max())
+                row["first_token_same"] = bool(mx.argmax(ours) == mx.argmax(theirs))
+            for run in (blocked, dense_run):
+                run.pop("logits", None)
+            prefills[str(context)] = row
         result["prefill"] = prefills
     if "nodes" not in skip:
         result["graph_nodes"] = _timed("nodes", lambda: graph_nodes(model, args.decode_context))

@@ -1,45 +1,62 @@
-"""mlxserve against mlx-vlm on one checkpoint, in one process; prints one JSON document.
+"""mlxserve against mlx-vlm on the same checkpoints, in one process; prints one JSON document.
 
 Why: mlx-vlm (0.7.10, MLX-native, DeepSeek-V4 with MTP and DSpark drafters) is the
 closest peer that runs on the same framework, so it is the opponent whose numbers
 say whether mlxserve's serving path earns its keep. Both sides read the SAME
-directory: a DeepSeek-V4-Flash-shaped model (V4-Flash's layer pattern, hash layers,
-hc_mult 4, top-6 MoE, one MTP block, as `mtp_cost.flash_shaped` builds it, at small
-width, random weights) written in DeepSeek's published layout by
-`mlxserve.models.deepseek_v4.publish`.
+directories, written in DeepSeek's published layout by
+`mlxserve.models.deepseek_v4.publish` (main model, MTP block, DSpark head). Two groups:
 
-Per side it reports: decode tok/s at depth 0 (greedy, same prompt, same token
-count), MTP at each depth each side supports (mlxserve: fixed 1..3 and auto;
-mlx-vlm: its `deepseek_v4_mtp` drafter at each ``draft_block_size``) and the best of
-them, TTFT, and the non-view graph nodes of one decode step (the method of
-`graph_nodes.py`: one one-token forward's lazy graph, with the cache, counted by
-primitive). It checks that the greedy tokens of depth 0 agree.
+* ``flash``: a DeepSeek-V4-Flash-shaped model (V4-Flash's layer pattern, hash layers,
+  hc_mult 4, top-6 MoE, `mtp_cost.flash_config` at small width, random float32
+  weights), written twice with the same main weights: with its MTP block, and with a
+  random -0731-style DSpark head (``--stages`` stages, blocks of ``--block``, taps of
+  three layers) in its place. Random heads draft wrong, so the speculative rows
+  measure what each side's loop costs when drafting does not pay.
+* ``demo``: the demo's trained MTP and DSpark heads, on a variant of the demo that
+  mlx-vlm can build: mlx-vlm accepts compression ratios 0, 4 and 128 only, so the
+  demo's HCA layer (ratio 16) is written at ratio 128 (its positional bias tiled).
+  Below 128 positions such a layer never compresses, so it is the demo's network with
+  that layer's compressed entries gone; both sides run that same function, and its
+  heads still draft right most of the time (the JSON has the acceptance).
 
-The heads are random, so drafts are almost never accepted: "MTP at its best depth"
-here measures what each side's speculative loop costs when it does not pay, not
-the speed-up a trained head gives. DSpark is not compared (the JSON says why).
+Per side and group: decode tok/s at depth 0 (greedy, same prompt, same token count),
+MTP at each depth each side has (mlxserve: 1..3 and auto; mlx-vlm: its
+``deepseek_v4_mtp`` drafter at ``draft_block_size`` 2..4), DSpark (mlxserve: its
+adaptive verification under the automatic depth and at the block as ceiling; mlx-vlm:
+its ``deepseek_v4_dspark`` drafter at each ``draft_block_size`` up to the block),
+each side's best setting, TTFT, and the non-view graph nodes of one decode step (the
+method of `graph_nodes.py`), mlxserve's both as one sequence's forward and as its
+engine runs one request (a decode batch of one row, stacked caches). Every runner is
+warmed once, then the runs are interleaved (one of each, ``--repeats`` times, until
+``--budget-s``), medians reported. ``loops`` times the bare models in the same hand
+written decode loop (forward, argmax, ``async_eval`` of the next step before the
+current token is read), so the gap between the engines splits into the models' and
+the loops' shares.
 
-mlx-vlm accepts compression ratios 0, 4 and 128 only (V4-Flash's), and its CSA
-(ratio 4) decode drops the previous window's overlap (docs/deepseek-v4-flash.md), so
-greedy tokens through CSA layers may differ after a few decode steps; the agreement
-check is therefore also run on a CSA-free variant (CSA layers made HCA).
+mlx-vlm's CSA (ratio 4) decode drops the previous window's overlap
+(docs/deepseek-v4-flash.md), so greedy tokens through CSA layers part after a few
+steps; the agreement check also runs on the Flash pattern with its CSA layers made
+HCA. Both sides run in one process, so MLX settings are shared (on CUDA mlxserve's
+graph cache size, `configure_cuda_graphs`, which helps both).
 
 Run: python benchmarks/vs_mlx_vlm.py [--layers 8] [--hidden 256] [--tokens 24]
 CPU, short: python benchmarks/vs_mlx_vlm.py --layers 8 --hidden 256 --tokens 24 --repeats 1
+GPU (H100, ~6 min): python benchmarks/vs_mlx_vlm.py --layers 43 --hidden 512 --experts 64
+  --tokens 48 --repeats 3 --budget-s 300
+Partial results go to stderr as JSON lines while it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,20 +71,28 @@ from mlxserve.engine.core.drive import run_to_completion
 from mlxserve.engine.core.request import GenerationRequest
 from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter
+from mlxserve.engine.runner.batch import RowBatch
+from mlxserve.engine.spec.dspark import DSparkAdapter
 from mlxserve.engine.spec.mtp import MTPAdapter
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 
 MLXSERVE_DEPTHS: tuple[int | str, ...] = (1, 2, 3, "auto")
 #: mlx-vlm's ``draft_block_size``: the bonus token plus the drafts (1 + depth).
 MLX_VLM_BLOCKS = (2, 3, 4)
-DSPARK_NOT_COMPARED = (
-    "not run on either side: mlx-vlm's deepseek_v4_dspark drafter loads a head only "
-    "from the -0731 published stage names (mtp.0..N with main_proj, markov_head, "
-    "confidence_head), and mlxserve has no writer of its DSpark head in those names "
-    "(publish.py writes the main model and MTP blocks only), so there is no one "
-    "directory both can draft from; writing that inverse of sanitize_head was outside "
-    "this stop's time box"
-)
+#: The demo's prompt (a chat turn it was trained on the like of).
+DEMO_TEXT = "<|user|>Python reference: the for statement<|end|><|assistant|>"
+
+#: One timed run: its name -> decode tok/s, TTFT, tokens (and acceptance, if it drafts).
+Runner = Callable[[str], dict[str, Any]]
+
+
+def note(record: dict[str, Any]) -> None:
+    """A partial result, as one JSON line on stderr (a run cut short still leaves them)."""
+    print(json.dumps(record, default=str), file=sys.stderr, flush=True)
+
+
+# --- checkpoints ----------------------------------------------------------------------
 
 
 def flash_config(
@@ -85,22 +110,75 @@ def flash_config(
     return config
 
 
-def write_published(directory: Path, config: dict[str, Any], seed: int = 0) -> Path:
-    """A random model of ``config`` (with its MTP block) in DeepSeek's published layout,
-    weights scaled like `mtp_cost.flash_shaped`'s (float32: both loaders read it as is)."""
+def flash_model(config: dict[str, Any], seed: int = 0) -> Any:
+    """A random model of ``config`` with its MTP block, weights scaled like
+    `mtp_cost.flash_shaped`'s, float32 (both loaders read it as is)."""
     from mlxserve.models.deepseek_v4 import Model, ModelArgs
     from mlxserve.models.deepseek_v4.model import MTPBlock
-    from mlxserve.models.deepseek_v4.publish import published_config, published_weights
 
     args = ModelArgs.from_dict(config)
     model = Model(args)
     model.mtp = [MTPBlock(args, t) for t in args.mtp_layer_types or []]
     mx.random.seed(seed)
     mtp_cost.randomize(model, args.n_routed_experts, norms_near_one=True)
+    return model
+
+
+def with_dspark_head(model: Any, block: int, stages: int, seed: int = 1) -> Any:
+    """``model`` (its MTP blocks dropped) with a random -0731-style DSpark head in their
+    place: ``stages`` stages, blocks of ``block``, taps of the first, middle and last
+    layer (distinct from 3 layers on), as ``config.json``'s ``dspark_*`` keys say."""
+    from mlxserve.models.deepseek_v4.dspark import DSparkHead, DSparkSpec
+
+    layers = model.args.num_hidden_layers
+    taps = tuple(sorted({0, layers // 2, layers - 1}))
+    model.args = dataclasses.replace(
+        model.args,
+        num_nextn_predict_layers=0,
+        mtp_layer_types=[],
+        dspark_block_size=block,
+        dspark_target_layer_ids=list(taps),
+        dspark_markov_rank=64,
+        dspark_noise_token_id=0,
+    )
+    model.mtp = []
+    spec = DSparkSpec(block, taps, 0, stages, 64, confidence_with_markov=True)
+    head = DSparkHead(model.args, spec)
+    mx.random.seed(seed)
+    mtp_cost.randomize(head, model.args.n_routed_experts, norms_near_one=True)
+    model["dspark"] = head
+    return model
+
+
+def write(model: Any, directory: Path) -> Path:
+    from mlxserve.models.deepseek_v4.publish import write_published
+
+    return write_published(model, directory, {"bos_token_id": 0, "eos_token_id": 1})
+
+
+def ratio_128_variant(source: Path, directory: Path) -> Path:
+    """``source`` (a DeepSeek-V4 checkpoint mlxserve loads) in the published layout with
+    its HCA layers at ratio 128 (their positional bias tiled to 128 rows): what mlx-vlm
+    builds (see the module docstring); the CSA ratio must be 4."""
+    from mlxserve.models.deepseek_v4.config import CSA, HCA
+    from mlxserve.models.deepseek_v4.publish import published_config, published_weights
+    from mlxserve.models.loader import load_model
+
+    model, config = load_model(source, memory_bytes=0)
+    args = model.args
+    if args.compress_ratio(CSA) != 4:
+        raise ValueError(f"{source}: CSA ratio {args.compress_ratio(CSA)}, mlx-vlm needs 4")
+    ratio = args.compress_ratio(HCA)
+    weights = published_weights(model)
+    for index, kind in enumerate(args.layer_types or []):
+        if kind == HCA:
+            name = f"layers.{index}.attn.compressor.ape"
+            weights[name] = mx.tile(weights[name], (128 // ratio, 1))
     directory.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(directory / "model.safetensors"), published_weights(model))
-    config_json = published_config(args, {"bos_token_id": 0, "eos_token_id": 1})
-    (directory / "config.json").write_text(json.dumps(config_json))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
+    tokens: dict[str, Any] = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    variant = dataclasses.replace(args, compress_rates={CSA: 4, HCA: 128})
+    (directory / "config.json").write_text(json.dumps(published_config(variant, tokens)))
     return directory
 
 
@@ -132,31 +210,43 @@ def mlxserve_run(engine: Engine, prompt: list[int], tokens: int, name: str) -> d
     }
 
 
-def mlxserve_side(
-    model: Any, prompt: list[int], tokens: int, repeats: int, depths: tuple[int | str, ...]
-) -> dict[str, Any]:
-    plain = Engine(PlainAdapter(model), EngineConfig(speculative_depth=0, prefix_cache_entries=0))
-    out: dict[str, Any] = {
-        "depth0": measured(lambda n: mlxserve_run(plain, prompt, tokens, n), repeats)
-    }
-    mtp: dict[str, Any] = {}
-    for depth in depths:
+def mlxserve_runners(model: Any, prompt: list[int], tokens: int, drafter: str) -> dict[str, Runner]:
+    """mlxserve's settings on ``model``: plain, and ``drafter`` ("mtp", "dspark") at its
+    depths, each its own engine (prefix cache off: every run prefills)."""
+
+    def engine(adapter: Any, depth: int | str) -> Runner:
         config = EngineConfig(speculative_depth=depth, prefix_cache_entries=0)  # type: ignore[arg-type]
-        engine = Engine(MTPAdapter(model), config)
-        mtp[str(depth)] = measured(partial(mlxserve_run, engine, prompt, tokens), repeats)
-    out["mtp"] = mtp
-    return out
+        built = Engine(adapter, config)
+        return lambda name: mlxserve_run(built, prompt, tokens, name)
+
+    runners = {"depth0": engine(PlainAdapter(model), 0)}
+    if drafter == "mtp":
+        for depth in MLXSERVE_DEPTHS:
+            runners[f"mtp_{depth}"] = engine(MTPAdapter(model), depth)
+    else:
+        block = DSparkAdapter(model).max_draft_depth
+        runners["dspark_auto"] = engine(DSparkAdapter(model), "auto")
+        runners[f"dspark_{block}"] = engine(DSparkAdapter(model), block)
+    return runners
 
 
 def mlxserve_decode_nodes(model: Any, prompt: list[int]) -> dict[str, Any]:
-    """Non-view nodes of one decode step: a one-token forward plus the head, with the
-    prefilled cache (`graph_nodes.whole_forwards`' method)."""
-    adapter = MTPAdapter(model)
-    state = adapter.new_state(max_rollback=4)
+    """Non-view nodes of one decode step with the prefilled cache: one sequence's
+    one-token forward plus the head (`graph_nodes.whole_forwards`' method), and the
+    step as the engine runs a lone request (a `RowBatch` of one row, stacked caches)."""
+    adapter = PlainAdapter(model)
+    state = adapter.new_state(0)
     adapter.prefill(state, prompt)
-    streams = model.forward_hidden(mx.array([[prompt[-1]]]), state.cache)
-    logits = model.head_from_streams(streams)
-    return node_summary(count_nodes([logits, *[c.state for c in state.cache]]))
+    cache = state.cache
+    logits = model(mx.array([[prompt[-1]]]), cache)
+    single = node_summary(count_nodes([mx.argmax(logits[0, -1]), *[c.state for c in cache]]))
+    state = adapter.new_state(0)
+    adapter.prefill(state, prompt)
+    batch = RowBatch(model, [state])
+    logits = batch.step(mx.array([prompt[-1]]))
+    caches = batch.decode_caches()
+    batched = node_summary(count_nodes([mx.argmax(logits, -1), *[c.state for c in caches]]))
+    return {"one_sequence": single, "engine_decode_batch_of_one": batched}
 
 
 # --- mlx-vlm --------------------------------------------------------------------------
@@ -167,16 +257,19 @@ def mlx_vlm_run(
     prompt: list[int],
     tokens: int,
     drafter: Any = None,
+    kind: str = "mtp",
     block: int | None = None,
 ) -> dict[str, Any]:
-    """One greedy generation through mlx-vlm's `generate_step` (its decode loop, or
-    its speculative rounds with ``drafter``): decode tok/s after the first token, TTFT."""
+    """One greedy generation through mlx-vlm's `generate_step` (its decode loop, or its
+    speculative rounds with ``drafter`` of ``kind``): decode tok/s after the first token,
+    TTFT, and the drafts kept per drafted (its own round counters)."""
     from mlx_vlm.generate.ar import generate_step
 
+    before = _vlm_counters(drafter)
     started = time.perf_counter()
     kwargs: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.0}
     if drafter is not None:
-        kwargs.update(draft_model=drafter, draft_kind="mtp", draft_block_size=block)
+        kwargs.update(draft_model=drafter, draft_kind=kind, draft_block_size=block)
     steps: Iterator[Any] = generate_step(mx.array([prompt]), model, None, None, **kwargs)
     out: list[int] = []
     ttft = 0.0
@@ -187,36 +280,51 @@ def mlx_vlm_run(
         if len(out) >= tokens:
             break
     total = time.perf_counter() - started
-    return {
+    result: dict[str, Any] = {
         "decode_tok_s": (len(out) - 1) / (total - ttft),
         "ttft_s": ttft,
         "tokens": out,
     }
+    if drafter is not None:
+        after = _vlm_counters(drafter)
+        drafted = after[1] - before[1]
+        result["accepted_per_drafted"] = (after[0] - before[0]) / drafted if drafted else None
+    return result
 
 
-def mlx_vlm_side(
-    directory: Path, model: Any, prompt: list[int], tokens: int, repeats: int
-) -> dict[str, Any]:
+def _vlm_counters(drafter: Any) -> tuple[float, int]:
+    return (
+        float(getattr(drafter, "speculative_total_accepted", 0.0)),
+        int(getattr(drafter, "speculative_total_drafted", 0)),
+    )
+
+
+def mlx_vlm_runners(
+    directory: Path, model: Any, prompt: list[int], tokens: int, drafter_kind: str, block: int
+) -> tuple[dict[str, Runner], dict[str, Any]]:
+    """mlx-vlm's settings on ``directory``: plain, and its ``drafter_kind`` drafter ("mtp":
+    ``deepseek_v4_mtp``; "dspark": ``deepseek_v4_dspark``) at each block size; and what
+    its drafter loader said."""
     from mlx_vlm.speculative.drafters import load_drafter
 
-    out: dict[str, Any] = {
-        "depth0": measured(lambda _n: mlx_vlm_run(model, prompt, tokens), repeats)
-    }
+    runners: dict[str, Runner] = {"depth0": lambda _n: mlx_vlm_run(model, prompt, tokens)}
+    kind = "mtp" if drafter_kind == "mtp" else "dflash"
     try:
-        drafter, kind = load_drafter(str(directory), kind="mtp")
+        drafter, resolved = load_drafter(str(directory), kind=kind)
     except Exception as error:  # mlx-vlm's loader: record why, do not fail the run
-        out["mtp"] = {"not_run": f"load_drafter failed: {error!r}"}
-        return out
-    mtp: dict[str, Any] = {"drafter_kind": kind}
-    for block in MLX_VLM_BLOCKS:
-        try:
-            mtp[f"depth{block - 1}"] = measured(
-                partial(_vlm_named, model, prompt, tokens, drafter, block), repeats
-            )
-        except Exception as error:
-            mtp[f"depth{block - 1}"] = {"not_run": repr(error), "where": _last_frame()}
-    out["mtp"] = mtp
-    return out
+        return runners, {"not_run": f"load_drafter failed: {error!r}"}
+    blocks = MLX_VLM_BLOCKS if drafter_kind == "mtp" else tuple(range(2, block + 2))
+    for size in blocks:
+        runners[f"{drafter_kind}_{size - 1}"] = _vlm_runner(
+            model, prompt, tokens, drafter, resolved, size
+        )
+    return runners, {"drafter": type(drafter).__name__, "kind": resolved}
+
+
+def _vlm_runner(
+    model: Any, prompt: list[int], tokens: int, drafter: Any, kind: str, block: int
+) -> Runner:
+    return lambda _name: mlx_vlm_run(model, prompt, tokens, drafter, kind, block)
 
 
 def mlx_vlm_decode_nodes(model: Any, prompt: list[int]) -> dict[str, Any]:
@@ -227,21 +335,88 @@ def mlx_vlm_decode_nodes(model: Any, prompt: list[int]) -> dict[str, Any]:
     cache = make_prompt_cache(lm)
     mx.eval(lm(mx.array([prompt]), cache=cache).logits, [c.state for c in cache])
     logits = lm(mx.array([[prompt[-1]]]), cache=cache).logits
-    return node_summary(count_nodes([logits, *_arrays([c.state for c in cache])]))
+    return node_summary(count_nodes([mx.argmax(logits[0, -1]), *_arrays([c.state for c in cache])]))
 
 
-def _vlm_named(
-    model: Any, prompt: list[int], tokens: int, drafter: Any, block: int, _name: str
-) -> dict[str, Any]:
-    return mlx_vlm_run(model, prompt, tokens, drafter, block)
+# --- the bare models in one loop ------------------------------------------------------
 
 
-# --- shared ---------------------------------------------------------------------------
+def hand_loop(step: Callable[[mx.array], mx.array], first: mx.array, tokens: int) -> dict[str, Any]:
+    """mlx-lm's decode loop: the next step is queued before the current token is read."""
+    y = first
+    mx.async_eval(y)  # type: ignore[no-untyped-call]
+    out: list[int] = []
+    started = 0.0
+    for n in range(tokens):
+        following = step(y)
+        mx.async_eval(following)  # type: ignore[no-untyped-call]
+        out.append(int(y.item()))  # type: ignore[arg-type]
+        if n == 0:
+            started = time.perf_counter()
+        y = following
+    return {
+        "decode_tok_s": (tokens - 1) / (time.perf_counter() - started),
+        "ttft_s": 0.0,
+        "tokens": out,
+    }
 
 
-def _last_frame() -> str:
-    frames = traceback.extract_tb(sys.exc_info()[2])
-    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+def loop_runners(ours: Any, theirs: Any, prompt: list[int], tokens: int) -> dict[str, Runner]:
+    """The bare models in `hand_loop`: mlxserve's forward on one sequence's caches, the
+    same through a one-row `RowBatch` (what the engine steps), and mlx-vlm's forward."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    def ours_one_sequence(_name: str) -> dict[str, Any]:
+        cache = ours.make_cache()
+        ours(mx.array([prompt[:-1]]), cache)
+        mx.eval([c.state for c in cache])
+        first = mx.argmax(ours(mx.array([prompt[-1:]]), cache)[0, -1])
+        return hand_loop(lambda y: mx.argmax(ours(y.reshape(1, 1), cache)[0, -1]), first, tokens)
+
+    def ours_decode_batch(_name: str) -> dict[str, Any]:
+        adapter = PlainAdapter(ours)
+        state = adapter.new_state(0)
+        adapter.prefill(state, prompt[:-1])
+        first = mx.argmax(adapter.step(state, mx.array(prompt[-1:])))
+        mx.eval(first)
+        batch = RowBatch(ours, [state])
+        return hand_loop(lambda y: mx.argmax(batch.step(y.reshape(1)), -1)[0], first, tokens)
+
+    lm = theirs.language_model
+
+    def theirs_one_sequence(_name: str) -> dict[str, Any]:
+        cache = make_prompt_cache(lm)
+        lm(mx.array([prompt[:-1]]), cache=cache)
+        mx.eval([c.state for c in cache])
+        first = mx.argmax(lm(mx.array([prompt[-1:]]), cache=cache).logits[0, -1])
+        return hand_loop(
+            lambda y: mx.argmax(lm(y.reshape(1, 1), cache=cache).logits[0, -1]), first, tokens
+        )
+
+    return {
+        "mlxserve_one_sequence": ours_one_sequence,
+        "mlxserve_decode_batch_of_one": ours_decode_batch,
+        "mlx_vlm_one_sequence": theirs_one_sequence,
+        # mlx-vlm's generate_step builds and runs its steps on a thread-local stream of
+        # its own (``generation_stream``); the same loops on one say what that is worth.
+        "mlxserve_one_sequence_own_stream": on_own_stream(ours_one_sequence),
+        "mlx_vlm_one_sequence_own_stream": on_own_stream(theirs_one_sequence),
+    }
+
+
+def on_own_stream(run: Runner) -> Runner:
+    """``run`` inside a thread-local stream of its own on the default device, as
+    mlx-vlm's ``generate_step`` decodes (``mlx_vlm.generate.common.generation_stream``)."""
+    stream = mx.new_thread_local_stream(mx.default_device())
+
+    def streamed(name: str) -> dict[str, Any]:
+        with mx.stream(stream):
+            return run(name)
+
+    return streamed
+
+
+# --- measuring ------------------------------------------------------------------------
 
 
 def _arrays(tree: Any) -> list[mx.array]:
@@ -260,30 +435,57 @@ def node_summary(counts: Any) -> dict[str, Any]:
     return {"non_view_nodes": sum(kernels.values()), "by_primitive": kernels}
 
 
-def measured(run: Callable[[str], dict[str, Any]], repeats: int) -> dict[str, Any]:
-    """One untimed warm-up, then the median decode rate and TTFT over ``repeats``."""
-    run("warm-up")
-    runs = [run(f"r{i}") for i in range(repeats)]
-    out = {
+def interleaved(
+    group: str, runners: dict[str, Runner], repeats: int, deadline: float
+) -> dict[str, dict[str, Any]]:
+    """Each runner warmed once, then one run of each in turn, ``repeats`` times or until
+    ``deadline`` (``time.monotonic``; at least one timed run each); per runner the
+    median decode rate and TTFT, the last run's tokens and acceptance."""
+    for name, run in runners.items():
+        began = time.monotonic()
+        run("warm-up")
+        note({"group": group, "warmed": name, "s": round(time.monotonic() - began, 2)})
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in runners}
+    for index in range(repeats):
+        if index and time.monotonic() > deadline:
+            note({"group": group, "repeats_cut_at": index, "reason": "--budget-s"})
+            break
+        for name, run in runners.items():
+            runs[name].append(run(f"r{index}"))
+        note(
+            {
+                "group": group,
+                "repeat": index,
+                "decode_tok_s": {n: round(r[-1]["decode_tok_s"], 2) for n, r in runs.items()},
+            }
+        )
+    return {name: summary(result) for name, result in runs.items()}
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
         "ttft_s": statistics.median(r["ttft_s"] for r in runs),
+        "runs": len(runs),
         "tokens": runs[-1]["tokens"],
     }
-    if runs[-1].get("acceptance_per_position") is not None:
-        out["acceptance_per_position"] = runs[-1]["acceptance_per_position"]
+    for key in ("acceptance_per_position", "accepted_per_drafted"):
+        if runs[-1].get(key) is not None:
+            out[key] = runs[-1][key]
     return out
 
 
-def best_speculative(side: dict[str, Any]) -> dict[str, Any] | None:
+def best(side: dict[str, Any], prefix: str = "") -> dict[str, Any] | None:
+    """The fastest of ``side``'s settings whose name starts with ``prefix``."""
     rates = {
-        k: v["decode_tok_s"]
-        for k, v in side.get("mtp", {}).items()
-        if isinstance(v, dict) and "decode_tok_s" in v
+        name: value["decode_tok_s"]
+        for name, value in side.items()
+        if name.startswith(prefix) and isinstance(value, dict) and "decode_tok_s" in value
     }
     if not rates:
         return None
-    depth = max(rates, key=lambda k: rates[k])
-    return {"depth": depth, "decode_tok_s": rates[depth]}
+    name = max(rates, key=lambda k: rates[k])
+    return {"setting": name, "decode_tok_s": rates[name]}
 
 
 def agreement(a: list[int], b: list[int]) -> dict[str, Any]:
@@ -308,77 +510,166 @@ def greedy_agreement(directory: Path, prompt: list[int], tokens: int) -> dict[st
     return agreement(a, b)
 
 
-def compare(
-    layers: int,
-    hidden: int,
-    experts: int,
-    vocab: int,
-    prompt_tokens: int,
+def head_to_head(
+    group: str,
+    directories: dict[str, Path],
+    prompt: list[int],
     tokens: int,
     repeats: int,
-    depths: tuple[int | str, ...] = MLXSERVE_DEPTHS,
-    agreement_tokens: int = 24,
+    deadline: float,
+    block: int,
+    loops: bool = False,
 ) -> dict[str, Any]:
-    """The whole comparison (see the module docstring), as a dict."""
-    import mlx_vlm
+    """Both sides on ``directories`` ({"mtp": with its MTP block, "dspark": with its
+    DSpark head}, the same main weights), interleaved; with ``loops`` the bare models
+    in the hand loop too."""
     import mlx_vlm.utils
 
-    prompt = [random.Random(1).randrange(2, vocab) for _ in range(prompt_tokens)]
+    ours: dict[str, Any] = {}
+    theirs: dict[str, Any] = {}
+    runners: dict[str, Runner] = {}
+    drafters: dict[str, Any] = {}
+    for drafter, directory in directories.items():
+        ours[drafter] = load_mlxserve(directory)
+        theirs[drafter] = mlx_vlm.utils.load_model(directory)
+        for name, run in mlxserve_runners(ours[drafter], prompt, tokens, drafter).items():
+            if name != "depth0" or drafter == "mtp":
+                runners[f"mlxserve.{name}"] = run
+        vlm, loaded = mlx_vlm_runners(directory, theirs[drafter], prompt, tokens, drafter, block)
+        drafters[drafter] = loaded
+        for name, run in vlm.items():
+            if name != "depth0" or drafter == "mtp":
+                runners[f"mlx_vlm.{name}"] = run
+    if loops:
+        for name, run in loop_runners(ours["mtp"], theirs["mtp"], prompt, tokens).items():
+            runners[f"loop.{name}"] = run
+    measured = interleaved(group, runners, repeats, deadline)
+    sides: dict[str, dict[str, Any]] = {"mlxserve": {}, "mlx_vlm": {}, "loop": {}}
+    for name, value in measured.items():
+        side, setting = name.split(".", 1)
+        sides[side][setting] = value
+    result: dict[str, Any] = {
+        "mlxserve": sides["mlxserve"],
+        "mlx_vlm": {**sides["mlx_vlm"], "drafters": drafters},
+        "layer_types": ours["mtp"].args.layer_types,
+        "graph_nodes_per_decode_step": {
+            "mlxserve": mlxserve_decode_nodes(ours["mtp"], prompt),
+            "mlx_vlm": mlx_vlm_decode_nodes(theirs["mtp"], prompt),
+        },
+    }
+    if loops:
+        result["loops"] = sides["loop"]
+    for key in ("mlxserve", "mlx_vlm"):
+        result[key]["best"] = {
+            "overall": best(sides[key]),
+            "mtp": best(sides[key], "mtp"),
+            "dspark": best(sides[key], "dspark"),
+        }
+    result["ratios"] = ratios(sides["mlxserve"], sides["mlx_vlm"])
+    depth0 = agreement(sides["mlxserve"]["depth0"]["tokens"], sides["mlx_vlm"]["depth0"]["tokens"])
+    result["greedy_depth0_agree"] = depth0
+    note({"group": group, "ratios": result["ratios"]})
+    return result
+
+
+def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """mlxserve over mlx-vlm: decode at depth 0, each one's best MTP, best DSpark and best
+    setting of all; TTFT as mlx-vlm's over mlxserve's (above 1: mlxserve's is shorter)."""
+    out: dict[str, Any] = {
+        "depth0_mlxserve_over_mlx_vlm": ours["depth0"]["decode_tok_s"]
+        / theirs["depth0"]["decode_tok_s"],
+        "ttft_mlx_vlm_over_mlxserve": theirs["depth0"]["ttft_s"] / ours["depth0"]["ttft_s"],
+    }
+    for prefix, key in (
+        ("mtp", "best_mtp_mlxserve_over_mlx_vlm"),
+        ("dspark", "best_dspark_mlxserve_over_mlx_vlm"),
+        ("", "best_setting_mlxserve_over_mlx_vlm"),
+    ):
+        a, b = best(ours, prefix), best(theirs, prefix)
+        if a and b:
+            out[key] = a["decode_tok_s"] / b["decode_tok_s"]
+    return out
+
+
+def demo_directories(folder: Path) -> tuple[dict[str, Path], list[int]]:
+    """The demo's ratio-128 variants (with its MTP block; with its DSpark head) and the
+    demo prompt's tokens."""
+    from mlxserve.models import load
+    from mlxserve.models.demo.build import build_demo_model
+    from mlxserve.models.demo.dspark import build_dspark_demo
+
+    base = build_demo_model(progress=False)
+    directories = {
+        "mtp": ratio_128_variant(base, folder / "demo-128-mtp"),
+        "dspark": ratio_128_variant(build_dspark_demo(progress=False), folder / "demo-128-dspark"),
+    }
+    _, tokenizer = load(str(base))
+    return directories, list(tokenizer.encode(DEMO_TEXT))
+
+
+def compare(args: argparse.Namespace) -> dict[str, Any]:
+    """The whole comparison (see the module docstring), as a dict."""
+    import mlx_vlm
+
+    started = time.monotonic()
+    deadline = started + args.budget_s
+    vocab = args.vocab
+    prompt = [random.Random(1).randrange(2, vocab) for _ in range(args.prompt)]
     result: dict[str, Any] = {
         "benchmark": "vs_mlx_vlm",
         "device": benchmark_device(),
         "mlx_vlm_version": getattr(mlx_vlm, "__version__", "unknown"),
-        "model": {
-            "shape": "DeepSeek-V4-Flash layer pattern (mtp_cost.flash_shaped), random weights",
-            "layers": layers,
-            "hidden": hidden,
-            "routed_experts": experts,
-            "vocab": vocab,
-            "mtp_blocks": 1,
-            "weights": "float32, DeepSeek's published names (publish.py), one directory",
-        },
-        "prompt_tokens": prompt_tokens,
-        "tokens": tokens,
-        "repeats": repeats,
+        "prompt_tokens": args.prompt,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "budget_s": args.budget_s,
         "greedy": True,
+        "groups": {},
     }
-    with tempfile.TemporaryDirectory() as folder:
-        directory = write_published(
-            Path(folder) / "flash", flash_config(layers, hidden, experts, vocab)
-        )
-        ours = load_mlxserve(directory)
-        theirs = mlx_vlm.utils.load_model(directory)
-        result["layer_types"] = ours.args.layer_types
-        mlxserve = mlxserve_side(ours, prompt, tokens, repeats, depths)
-        mlxserve["graph_nodes_per_decode_step"] = mlxserve_decode_nodes(ours, prompt)
-        vlm = mlx_vlm_side(directory, theirs, prompt, tokens, repeats)
-        vlm["graph_nodes_per_decode_step"] = mlx_vlm_decode_nodes(theirs, prompt)
-        for side in (mlxserve, vlm):
-            side["best_mtp"] = best_speculative(side)
-            side["dspark"] = {"not_run": DSPARK_NOT_COMPARED}
-        result["mlxserve"], result["mlx_vlm"] = mlxserve, vlm
-        depth0 = agreement(mlxserve["depth0"]["tokens"], vlm["depth0"]["tokens"])
-        result["greedy_depth0_agree"] = {"flash_pattern_with_csa": depth0}
-        csa_free = write_published(
-            Path(folder) / "no-csa", flash_config(layers, hidden, experts, vocab, csa=False)
-        )
-        result["greedy_depth0_agree"]["csa_free_variant"] = greedy_agreement(
-            csa_free, prompt, agreement_tokens
-        )
-    result["ratios"] = {
-        "depth0_mlxserve_over_mlx_vlm": mlxserve["depth0"]["decode_tok_s"]
-        / vlm["depth0"]["decode_tok_s"],
-        "ttft_mlx_vlm_over_mlxserve": vlm["depth0"]["ttft_s"] / mlxserve["depth0"]["ttft_s"],
-    }
-    if mlxserve["best_mtp"] and vlm["best_mtp"]:
-        result["ratios"]["best_speculative_mlxserve_over_mlx_vlm"] = (
-            mlxserve["best_mtp"]["decode_tok_s"] / vlm["best_mtp"]["decode_tok_s"]
-        )
-    best_ours = max(
-        mlxserve["depth0"]["decode_tok_s"], (mlxserve["best_mtp"] or {}).get("decode_tok_s", 0)
-    )
-    best_theirs = max(vlm["depth0"]["decode_tok_s"], (vlm["best_mtp"] or {}).get("decode_tok_s", 0))
-    result["ratios"]["best_setting_mlxserve_over_mlx_vlm"] = best_ours / best_theirs
+    with tempfile.TemporaryDirectory() as name:
+        folder = Path(name)
+        if "flash" in args.groups:
+            config = flash_config(args.layers, args.hidden, args.experts, vocab)
+            directories = {
+                "mtp": write(flash_model(config), folder / "flash"),
+                "dspark": write(
+                    with_dspark_head(flash_model(config), args.block, args.stages),
+                    folder / "flash-dspark",
+                ),
+            }
+            share = deadline if "demo" not in args.groups else started + args.budget_s * 0.6
+            flash = head_to_head(
+                "flash", directories, prompt, args.tokens, args.repeats, share, args.block, True
+            )
+            flash["model"] = {
+                "shape": "DeepSeek-V4-Flash layer pattern (mtp_cost.flash_config), random",
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "routed_experts": args.experts,
+                "vocab": vocab,
+                "dspark": {"block": args.block, "stages": args.stages},
+                "weights": "float32, DeepSeek's published names (publish.py)",
+            }
+            csa_free = write(
+                flash_model(flash_config(args.layers, args.hidden, args.experts, vocab, False)),
+                folder / "no-csa",
+            )
+            flash["greedy_depth0_agree_csa_free_variant"] = greedy_agreement(
+                csa_free, prompt, args.agreement_tokens
+            )
+            result["groups"]["flash"] = flash
+        if "demo" in args.groups:
+            directories, demo_prompt = demo_directories(folder)
+            demo = head_to_head(
+                "demo", directories, demo_prompt, args.demo_tokens, args.repeats, deadline, 4
+            )
+            demo["model"] = {
+                "shape": "the demo with its HCA layer at ratio 128 (mlx-vlm's), trained heads",
+                "prompt": DEMO_TEXT,
+                "prompt_tokens": len(demo_prompt),
+                "tokens": args.demo_tokens,
+            }
+            result["groups"]["demo"] = demo
     return result
 
 
@@ -390,12 +681,22 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--demo-tokens", type=int, default=64)
+    parser.add_argument("--agreement-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args()
-    started = time.perf_counter()
-    result = compare(
-        args.layers, args.hidden, args.experts, args.vocab, args.prompt, args.tokens, args.repeats
+    parser.add_argument("--block", type=int, default=4, help="the Flash DSpark head's block")
+    parser.add_argument("--stages", type=int, default=3, help="the Flash DSpark head's stages")
+    parser.add_argument("--groups", default="flash,demo", help="flash, demo or both")
+    parser.add_argument(
+        "--budget-s", type=float, default=330.0, help="stop adding repeats past this"
     )
+    parser.add_argument("--cpu", action="store_true", help="run on MLX's CPU device")
+    args = parser.parse_args()
+    configure_cuda_graphs()  # as the CLI does, before any device work (both sides share it)
+    if args.cpu:
+        mx.set_default_device(mx.cpu)
+    started = time.perf_counter()
+    result = compare(args)
     result["wall_s"] = time.perf_counter() - started
     print(json.dumps(result, indent=1))
 

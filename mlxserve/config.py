@@ -196,7 +196,7 @@ class TuningSettings(_Section):
 
 class EngineSettings(_Section):
     max_running: int = Field(
-        8, ge=1, description="Requests generating at once; more wait in the queue."
+        16, ge=1, description="Requests generating at once; more wait in the queue."
     )
     prefill_step: int = Field(
         512,

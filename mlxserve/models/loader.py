@@ -14,9 +14,9 @@ repacks them into MLX's ``mxfp8`` / ``mxfp4`` layouts, and ``load_model`` tells
 Before ``mlx_lm`` sees a directory, its safetensors headers are read (no tensor data):
 a broken file or a checkpoint whose weights would not fit in memory is refused with
 one line. DeepSeek-V4.1 (``deepseek_v41``) is mlx-lm's text model plus mlxserve's
-Engram (``models/deepseek_v41``); the parts it does not serve (vision tower, draft
-head) are named in one log line each, and Engram layers without the release's token
-map are refused. The model
+Engram and DSpark head (``models/deepseek_v41``); the parts it does not serve (vision
+tower; the draft head without its config fields) are named in one log line each, and
+Engram layers without the release's token map are refused. The model
 itself is then built lazily, so a missing or misshapen tensor is refused (one line,
 from ``Model.load_weights`` / ``sanitize``) before any weight is read. DeepSeek-V4-Flash
 -0731's DSpark draft head is loaded (``model.dspark``), with one log line.
@@ -195,19 +195,23 @@ def _announce_not_served(
     config: dict[str, Any], tensors: dict[str, TensorInfo], source: Path
 ) -> None:
     """DeepSeek-V4.1: name, once, the parts of the checkpoint that are not served
-    (the vision tower, the draft head), which ``sanitize`` leaves out."""
+    (the vision tower; the draft head without its config fields), which ``sanitize``
+    leaves out, and a DSpark head that is loaded."""
     if config.get("model_type") != "deepseek_v41":
         return
-    from .deepseek_v41.parts import not_served
+    from .deepseek_v41.parts import REASONS, draft_head_served, not_served
 
-    for part, count in not_served(list(tensors)).items():
+    for part, count in not_served(list(tensors), config).items():
         log.warning(
-            "model %s: DeepSeek-V4.1's %s (%d tensors) is not served; text only, "
-            "speculative depth 0",
+            "model %s: DeepSeek-V4.1's %s (%d tensors) is not served; %s",
             source,
             part,
             count,
+            REASONS[part],
         )
+    head = sum(1 for name in tensors if name.removeprefix("model.").startswith("mtp."))
+    if head and draft_head_served(config):
+        log.info("model %s: DSpark draft head (DeepSeek-V4.1, %d tensors) loaded", source, head)
 
 
 def _size(count: int) -> str:
@@ -232,7 +236,7 @@ def _check_fits(
     if config.get("model_type") == "deepseek_v41":
         from .deepseek_v41.memory import weight_bytes as v41_weight_bytes
 
-        needed = v41_weight_bytes(tensors, ranks)
+        needed = v41_weight_bytes(tensors, ranks, config)
     elif config.get("model_type") in _OWN_MODEL_TYPES:
         from .deepseek_v4.memory import weight_bytes
 

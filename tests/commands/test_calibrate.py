@@ -40,7 +40,7 @@ def test_demo_calibration_feeds_the_plan(
     # The demo: 8 experts, top-2, K 128 -> N 64, 4-bit affine groups of 32.
     assert [(s.kind, s.tokens) for s in record.shapes] == [
         ("prefill", 128),
-        ("decode", 8),
+        ("decode", 16),  # engine.max_running rows
         ("prefill", 256),
     ]
     shape = record.shapes[0]

@@ -1,11 +1,18 @@
-"""Tiny DeepSeek-V4.1 checkpoints in the published key names, with and without Engram.
+"""Tiny DeepSeek-V4.1 checkpoints in the published key names, with and without Engram,
+with or without a DSpark draft head.
 
 The names are DeepSeek's (``embed.weight``, ``layers.N.attn.wq_a.weight``,
 ``layers.N.ffn.experts.E.w1.weight``, ``layers.N.engram.embed.weight``...): the inverse
 of mlx-lm's ``deepseek_v41`` renaming, written from a random model. The config is
 nested like the release's (``text_config``, ``vision_config``), and a few vision
-tower and MTP tensors are included so the loader must name and leave them out. The
-tokenizer is the demo's (1024 ids); the Engram token map folds it onto 700 ids.
+tower tensors are included so the loader must name and leave them out. Without a
+DSpark head an MTP-style ``mtp.*`` tensor is included too (not served: the config has
+no ``dspark_*`` fields); with one (``dspark=True``), the head is in V4.1-Flash's
+published names: ``mtp.0.main_proj`` / ``main_norm``, the stages' blocks (with their
+image-routing ``ffn.gate.bias_vl``), ``mtp.{last}.norm``, ``markov_head.embed`` /
+``.head`` and ``confidence_head.proj.weight``, and its own expert bank (3 experts
+against the backbone's 4). The tokenizer is the demo's (1024 ids); the Engram token
+map folds it onto 700 ids.
 """
 
 from __future__ import annotations
@@ -18,11 +25,15 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mlxserve.models.deepseek_v4.dspark import DSparkSpec
+from mlxserve.models.deepseek_v41.dspark import V41DSparkHead
+from mlxserve.models.deepseek_v41.engram import EngramHasher
 from mlxserve.models.deepseek_v41.model import TOKEN_MAP_FILE, Model, ModelArgs
 from mlxserve.models.demo.build import TOKENIZER_FILES, WEIGHTS_DIR
 
 VOCAB = 1024
 COMPRESSED_VOCAB = 700
+TOKEN_MAP = [i % COMPRESSED_VOCAB for i in range(VOCAB)]
 TEXT_CONFIG: dict[str, Any] = {
     "vocab_size": VOCAB,
     "hidden_size": 64,
@@ -59,6 +70,26 @@ ENGRAM_CONFIG: dict[str, Any] = {
     "engram_pad_token_id": 0,
     "engram_compressed_vocab_size": COMPRESSED_VOCAB,
 }
+STAGES = 2
+DSPARK_CONFIG: dict[str, Any] = {
+    "num_nextn_predict_layers": STAGES,
+    "compress_ratios": [0, 4, 4, 4] + [0] * STAGES,
+    "dspark_block_size": 4,
+    "dspark_target_layer_ids": [2, 3],
+    "dspark_noise_token_id": 1000,
+    "dspark_markov_rank": 8,
+    "dspark_n_routed_experts": 3,
+    "dspark_num_experts_per_tok": 2,
+}
+#: the head's parts held once: our name -> published (``{last}``: the last stage)
+_HEAD_ONCE = {
+    "dspark.main_proj.": "mtp.0.main_proj.",
+    "dspark.main_norm.": "mtp.0.main_norm.",
+    "dspark.norm.": "mtp.{last}.norm.",
+    "dspark.markov_head.markov_w1.": "mtp.{last}.markov_head.embed.",
+    "dspark.markov_head.markov_w2.": "mtp.{last}.markov_head.head.",
+    "dspark.confidence_head.": "mtp.{last}.confidence_head.",
+}
 #: MLX names -> DeepSeek's, applied in this order (mlx-lm's ``_rename``, reversed).
 _RENAMES = (
     (".self_attn.", ".attn."),
@@ -82,12 +113,14 @@ _RENAMES = (
     (".indexer.k_proj.", ".indexer.wk."),
     (".gate.e_score_correction_bias", ".gate.bias"),
 )
-_STACK = re.compile(r"^layers\.(\d+)\.ffn\.experts\.switch_mlp\.(gate|up|down)_proj\.weight$")
+_STACK = re.compile(
+    r"^((?:layers|mtp)\.\d+)\.ffn\.experts\.switch_mlp\.(gate|up|down)_proj\.weight$"
+)
 _W = {"gate": "w1", "down": "w2", "up": "w3"}
 
 
-def config(engram: bool) -> dict[str, Any]:
-    text = {**TEXT_CONFIG, **(ENGRAM_CONFIG if engram else {})}
+def config(engram: bool, dspark: bool = False) -> dict[str, Any]:
+    text = {**TEXT_CONFIG, **(ENGRAM_CONFIG if engram else {}), **(DSPARK_CONFIG if dspark else {})}
     return {
         "architectures": ["DeepseekV41ForCausalLM"],
         "model_type": "deepseek_v41",
@@ -98,8 +131,19 @@ def config(engram: bool) -> dict[str, Any]:
     }
 
 
+def _published_name(name: str, last: int) -> str:
+    """A name of ours in DeepSeek's published layout (before the per-name renames)."""
+    for ours, theirs in _HEAD_ONCE.items():
+        if name.startswith(ours):
+            return theirs.format(last=last) + name.removeprefix(ours)
+    if name.startswith("dspark.stages."):
+        return "mtp." + name.removeprefix("dspark.stages.")
+    return name.removeprefix("model.")
+
+
 def published(model: Model) -> dict[str, mx.array]:
     out: dict[str, mx.array] = {}
+    last = STAGES - 1
     for name, value in tree_flatten(model.parameters()):
         if name == "lm_head.weight":
             out["head.weight"] = value
@@ -107,7 +151,7 @@ def published(model: Model) -> dict[str, mx.array]:
         if name == "model.embed_tokens.weight":
             out["embed.weight"] = value
             continue
-        name = name.removeprefix("model.")
+        name = _published_name(name, last)
         if ".engram." in name:
             out[name] = value
             continue
@@ -115,7 +159,7 @@ def published(model: Model) -> dict[str, mx.array]:
         if stack is not None:
             layer, proj = stack.groups()
             for e in range(value.shape[0]):
-                out[f"layers.{layer}.ffn.experts.{e}.{_W[proj]}.weight"] = value[e]
+                out[f"{layer}.ffn.experts.{e}.{_W[proj]}.weight"] = value[e]
             continue
         for mlx_name, ds_name in _RENAMES:
             name = name.replace(mlx_name, ds_name)
@@ -125,10 +169,35 @@ def published(model: Model) -> dict[str, mx.array]:
     return out
 
 
-def write_v41(directory: Path, *, engram: bool, seed: int = 0) -> Path:
-    """A random tiny V4.1 in the published layout, with the demo's tokenizer."""
-    raw = config(engram)
-    model = Model(ModelArgs.from_dict(raw))
+def with_head(model: Model) -> Model:
+    """``model`` (whose config has the ``dspark_*`` fields) with a DSpark head of
+    ``STAGES`` stages, as its checkpoint's tensors would shape it."""
+    args = model.args
+    assert args.dspark_block_size is not None
+    spec = DSparkSpec(
+        block_size=args.dspark_block_size,
+        target_layers=tuple(args.dspark_target_layer_ids),
+        noise_token=int(args.dspark_noise_token_id or 0),
+        stages=STAGES,
+        markov_rank=int(args.dspark_markov_rank or 0),
+        confidence_with_markov=True,
+    )
+    model["dspark"] = V41DSparkHead(args, spec)
+    return model
+
+
+def random_v41(*, engram: bool, seed: int = 0, dspark: bool = False, echo: bool = False) -> Model:
+    """A random tiny V4.1 (``config(engram, dspark)``), in memory.
+
+    ``echo``: every attention and expert output projection is zero, so the streams
+    stay the token's embedding and the model predicts a function of the last token
+    alone; a DSpark head's first draft (its anchor's embedding, through the same
+    norm and head) is then that very token, and its confidence head is zero (0.5:
+    one draft verified a round). Speculation is then accepted: for tests of the
+    serving path, not of the maths."""
+    model = Model(ModelArgs.from_dict(config(engram, dspark)))
+    if dspark:
+        with_head(model)
     mx.random.seed(seed)
     weights = []
     for name, value in tree_flatten(model.parameters()):
@@ -139,16 +208,52 @@ def write_v41(directory: Path, *, engram: bool, seed: int = 0) -> Path:
         else:
             scale = 0.02 if "embed" in name and "engram" not in name else 0.1
             weights.append((name, scale * mx.random.normal(value.shape)))
+    if echo:
+        weights = [(name, _echo(name, value, weights)) for name, value in weights]
     model.load_weights(weights)
+    if engram:
+        assert model.spec is not None
+        model.hasher = EngramHasher(model.spec, TOKEN_MAP)
+    return model
+
+
+def write_v41(
+    directory: Path, *, engram: bool, seed: int = 0, dspark: bool = False, echo: bool = False
+) -> Path:
+    """``random_v41``'s model in the published layout, with the demo's tokenizer."""
+    raw = config(engram, dspark)
+    model = random_v41(engram=engram, seed=seed, dspark=dspark, echo=echo)
     tensors = published(model)
     tensors["vision.patch_embed.proj.weight"] = mx.zeros((16, 3, 2, 2))
-    tensors["mtp.0.e_proj.weight"] = mx.zeros((64, 64))
+    if dspark:
+        experts = DSPARK_CONFIG["dspark_n_routed_experts"]
+        for stage in range(STAGES):
+            tensors[f"mtp.{stage}.ffn.gate.bias_vl"] = mx.zeros((experts,))
+    else:
+        tensors["mtp.0.e_proj.weight"] = mx.zeros((64, 64))
     directory.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(directory / "model.safetensors"), tensors, metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     for name in TOKENIZER_FILES:
         (directory / name).write_bytes((WEIGHTS_DIR / name).read_bytes())
     if engram:
-        token_map = [i % COMPRESSED_VOCAB for i in range(VOCAB)]
-        (directory / TOKEN_MAP_FILE).write_text(json.dumps(token_map))
+        (directory / TOKEN_MAP_FILE).write_text(json.dumps(TOKEN_MAP))
     return directory
+
+
+_SILENT = (
+    ".o_b_proj.weight",
+    ".down_proj.weight",
+    "confidence_head.proj.weight",
+    "markov_w2.weight",
+)
+
+
+def _echo(name: str, value: mx.array, weights: list[tuple[str, mx.array]]) -> mx.array:
+    """``write_v41(echo=True)``'s weight for ``name``: the output projections silent, the
+    draft's final norm the main model's."""
+    if name.endswith(_SILENT) or (".engram." in name and name.endswith("wkv.weight")):
+        return mx.zeros_like(value)
+    if name == "dspark.norm.weight":
+        return dict(weights)["model.norm.weight"]
+    return value

@@ -38,12 +38,13 @@ from typing import Any, Final, NoReturn
 
 import mlx.core as mx
 
-from mlxserve.channel.messages import Error, Hello
+from mlxserve.channel.messages import Error, Hello, encode
 from mlxserve.cluster.discover import GroupPortTaken
 from mlxserve.config import Settings, load_settings
 from mlxserve.engine.core.build import LoadedModel
 from mlxserve.engine.core.stepper import Engine
-from mlxserve.engine.process.socket_end import POLL_S, FrontDesk, FrontLink
+from mlxserve.engine.process.front_link import POLL_S, FrontLink
+from mlxserve.engine.process.socket_end import FrontDesk
 from mlxserve.errors import UsageError
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 
@@ -257,7 +258,7 @@ def serve(listener: socket.socket, desk: FrontDesk, stop: threading.Event) -> No
             active.join(1.0)  # a restarted front may be faster than our EOF on its old link
         if active is not None and active.is_alive():
             log.warning("refusing a second front connection")
-            link.send(Error(message="this engine already serves a front connection"))
+            link.send(encode(Error(message="this engine already serves a front connection")))
             link.close()
             continue
         log.info("front connected")

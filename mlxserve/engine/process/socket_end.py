@@ -1,25 +1,25 @@
 """The engine process's side of the channel: one front connection, JSON lines both ways.
 
-`FrontLink` owns the socket: any thread may send a message (one at a time,
-under a lock); one thread reads lines. `FrontDesk` turns the front's messages
-into engine calls and forwards each request's events as they come: one
-thread per in-flight request blocks on its `RequestStream` and writes one
-line per event, so a token reaches the socket as soon as the engine emits it,
-and a slow front never stalls the engine (events wait in the stream).
+`FrontLink` (`mlxserve.engine.process.front_link`) owns the socket: any thread
+may send lines without waiting on the front; one thread reads lines. `FrontDesk`
+turns the front's messages into engine calls and forwards the requests' events:
+each request's stream collects them in its link's `Outbox`, and after every
+engine step (`Engine.deliver`, on the engine loop's thread) what the step emitted
+goes out in one write, one `tokens` line per request. No thread is woken per
+token or per request: one thread per request, each woken for its line and a
+system call, took the GIL from the engine loop 16 times a step at 16 requests
+(measured on a 2-core CPU: the engine process spent about 0.3 ms more per token
+serving than stepping). A slow front never stalls the engine: what the socket
+cannot take waits in the link's backlog for its writer.
 
 Nothing the front sends can end the process: a bad line gets an `Error`
 reply and the connection keeps serving.
 """
 
-import contextlib
 import json
 import logging
-import queue
-import selectors
-import socket
 import threading
 from collections import deque
-from collections.abc import Iterator
 from typing import Final
 
 from pydantic import BaseModel, ValidationError
@@ -40,21 +40,15 @@ from mlxserve.channel.messages import (
 )
 from mlxserve.engine.core.request import Event, FinishEvent, GenerationRequest, TokensEvent
 from mlxserve.engine.core.stepper import Engine, RequestStream
+from mlxserve.engine.process.front_link import MAX_LINE_BYTES, TOO_LONG, FrontLink
 
 log = logging.getLogger(__name__)
 
-# One line holds a whole prompt: a million token ids is about 8 MB of JSON.
-MAX_LINE_BYTES: Final = 32 << 20
-# A front that reads nothing for this long is treated as gone.
-SEND_TIMEOUT_S: Final = 30.0
-# How often blocked readers and forwarders look at the stop flag.
-POLL_S: Final = 0.5
 # Cancels of requests that finished this recently are not errors (they raced the finish).
 RECENT_IDS: Final = 4096
 # How often the step counter is reported while the engine has work (the front's hang check).
 REPORT_S: Final = 0.2
 
-TOO_LONG: Final = object()
 _MISSING_TYPE: Final = "missing 'type': expected generate, cancel or status"
 _MESSAGE_TYPES: dict[str, type[BaseModel]] = {
     "generate": Generate,
@@ -63,84 +57,31 @@ _MESSAGE_TYPES: dict[str, type[BaseModel]] = {
 }
 
 
-class FrontLink:
-    """The socket to one front process."""
+class Outbox:
+    """The events of one link's requests since they were last delivered, in the order
+    the engine emitted them. Only the engine loop's thread puts and takes."""
 
-    def __init__(self, sock: socket.socket, send_timeout_s: float = SEND_TIMEOUT_S) -> None:
-        # The timeout bounds sendall; reads only happen once the selector says data is there.
-        sock.settimeout(send_timeout_s)
-        self.sock = sock
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
+    def __init__(self, link: FrontLink) -> None:
+        self.link = link
+        self._events: list[Event] = []
 
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
+    def put(self, event: Event) -> None:
+        self._events.append(event)
 
-    def send(self, message: EngineMessage) -> bool:
-        """Write one line; False (and the link closes) if the front is gone or stuck."""
-        data = encode(message)
-        with self._lock:
-            if self._closed.is_set():
-                return False
-            try:
-                self.sock.sendall(data)
-            except OSError as exc:  # includes timeouts and a closed peer
-                log.warning("front link: send failed (%s); dropping the connection", exc)
-                self.hang_up()
-                return False
-        return True
+    def take(self) -> list[Event]:
+        events, self._events = self._events, []
+        return events
 
-    def hang_up(self) -> None:
-        """Stop all traffic: wakes the reader and any blocked sender. Any thread, any time."""
-        self._closed.set()
-        with contextlib.suppress(OSError):  # already closed or never connected
-            self.sock.shutdown(socket.SHUT_RDWR)
 
-    def close(self) -> None:
-        """Hang up and release the socket; only by the reading thread, once it is done reading."""
-        self.hang_up()  # a sender blocked in sendall fails at once, so the lock frees quickly
-        with self._lock:
-            self.sock.close()
+class RelayedStream(RequestStream):
+    """A request's stream whose events go to its link's outbox (delivered after the step)."""
 
-    def read_lines(self, stop: threading.Event) -> Iterator[bytes | object]:
-        """The front's lines (without the newline) until EOF, an error, close or `stop`.
+    def __init__(self, request_id: str, outbox: Outbox) -> None:
+        super().__init__(request_id)
+        self._outbox = outbox
 
-        A line longer than MAX_LINE_BYTES is dropped and reported once as TOO_LONG.
-        """
-        buffer = bytearray()
-        discarding = False
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.sock, selectors.EVENT_READ)
-            while not stop.is_set() and not self.closed:
-                if not selector.select(POLL_S):
-                    continue
-                try:
-                    chunk = self.sock.recv(1 << 16)
-                except (BlockingIOError, InterruptedError, TimeoutError):
-                    continue
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                scanned = len(buffer)  # a long line is searched for its newline only once
-                buffer += chunk
-                while (end := buffer.find(b"\n", scanned)) >= 0:
-                    line = bytes(buffer[:end])
-                    del buffer[: end + 1]
-                    scanned = 0
-                    if discarding:
-                        discarding = False  # the rest of the long line ends here
-                    elif len(line) > MAX_LINE_BYTES:
-                        yield TOO_LONG
-                    else:
-                        yield line
-                if discarding:
-                    buffer.clear()  # more of a line already reported as too long
-                elif len(buffer) > MAX_LINE_BYTES:
-                    buffer.clear()
-                    discarding = True
-                    yield TOO_LONG
+    def put(self, event: Event) -> None:
+        self._outbox.put(event)
 
 
 class RequestTable:
@@ -192,11 +133,17 @@ class FrontDesk:
         self.vocab_size = vocab_size
         self.table = RequestTable()
         self.stopping = threading.Event()
+        # The outboxes of the links served (the old one's until its requests finish).
+        self._outboxes: dict[FrontLink, Outbox] = {}
+        self._outboxes_lock = threading.Lock()
+        engine.deliver = self.deliver
 
     def serve(self, link: FrontLink) -> None:
         """Hello, then the front's messages until it goes; its unfinished requests are cancelled."""
         try:
-            if not link.send(self.hello):
+            with self._outboxes_lock:
+                self._outboxes[link] = Outbox(link)
+            if not link.send(encode(self.hello)):
                 return
             threading.Thread(
                 target=self._report, args=(link,), name="mlxserve-progress", daemon=True
@@ -204,7 +151,7 @@ class FrontDesk:
             for line in link.read_lines(self.stopping):
                 reply = self.handle_line(link, line)
                 if reply is not None:
-                    link.send(reply)
+                    link.send(encode(reply))
         except Exception:  # a bug here must not take the engine down with it
             log.exception("front connection failed")
         finally:
@@ -231,7 +178,7 @@ class FrontDesk:
             expected = engine.step_times.expected_s(step)
             kind = step.kind if step is not None else None
             report = Progress(steps=steps, busy=busy, expected_step_s=expected, step_kind=kind)
-            if not link.send(report):
+            if not link.send(encode(report)):
                 return
             sent = steps
 
@@ -270,19 +217,9 @@ class FrontDesk:
             return Error(
                 id=message.id, message="duplicate request id: a request with it is running"
             )
-        stream = self.engine.submit(request)
-        forwarder = threading.Thread(
-            target=self._forward,
-            args=(link, stream),
-            name=f"mlxserve-forward-{message.id[:32]}",
-            daemon=True,
-        )
-        try:
-            forwarder.start()
-        except RuntimeError as exc:  # out of threads: give the request back
-            self.engine.cancel(message.id)
-            self.table.release(message.id)
-            return Error(id=message.id, message=f"cannot serve the request now: {exc}")
+        with self._outboxes_lock:
+            outbox = self._outboxes[link]
+        self.engine.submit(request, RelayedStream(message.id, outbox))
         return None
 
     def _cancel(self, link: FrontLink, request_id: str) -> Error | None:
@@ -294,30 +231,41 @@ class FrontDesk:
             return None  # finishing already, or raced its own finish: nothing to do
         return Error(id=request_id, message="unknown request id")
 
-    def _forward(self, link: FrontLink, stream: RequestStream) -> None:
-        """Write the request's events to the front as they come, until its finish.
+    def deliver(self) -> None:
+        """Send what the requests emitted since the last call, on the engine loop's thread
+        after each step: one write per link, one `tokens` line per request (`coalesce`:
+        a request's tokens of several steps, when the loop delivered late, in one line).
 
-        The events that are already waiting when it wakes go out together, their
-        tokens in one `tokens` line (`coalesce`): when the front or this thread falls
-        behind the engine, it catches up in one line and one wake-up of the front,
-        not one per step."""
-        request_id = stream.request_id
-        while True:
-            try:
-                event = stream.get(timeout=POLL_S)
-            except queue.Empty:
-                if self.stopping.is_set():
-                    self.table.release(request_id)
-                    return
+        A closed link's outbox stays while its requests may still finish (the engine
+        cancels them when the front goes): their ids are released as they do."""
+        with self._outboxes_lock:
+            outboxes = list(self._outboxes.values())
+        for outbox in outboxes:
+            events = outbox.take()
+            link = outbox.link
+            if not events:
+                if link.closed and not self.table.owned_by(link):
+                    with self._outboxes_lock:
+                        self._outboxes.pop(link, None)
                 continue
-            for ready in coalesce([event, *stream.ready()]):
-                if isinstance(ready, TokensEvent):
-                    link.send(to_tokens(ready))
-                    continue
-                # Released before the finish is sent, so the front may reuse the id at once.
-                self.table.release(request_id)
-                link.send(to_finish(ready))
-                return
+            lines: list[bytes] = []
+            for request_id, run in by_request(events).items():
+                for ready in coalesce(run):
+                    if isinstance(ready, TokensEvent):
+                        lines.append(encode(to_tokens(ready)))
+                        continue
+                    # Released before the finish is sent, so the front may reuse the id.
+                    self.table.release(request_id)
+                    lines.append(encode(to_finish(ready)))
+            link.send(b"".join(lines))
+
+
+def by_request(events: list[Event]) -> dict[str, list[Event]]:
+    """``events`` grouped by request, each request's in order (first seen first)."""
+    grouped: dict[str, list[Event]] = {}
+    for event in events:
+        grouped.setdefault(event.request_id, []).append(event)
+    return grouped
 
 
 def to_request(message: Generate, vocab_size: int | None) -> GenerationRequest:

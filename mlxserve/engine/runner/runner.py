@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxserve.channel.request import SamplingParams
 from mlxserve.engine.core.prefix_cache import PrefixCache
 from mlxserve.engine.core.request_state import Phase, RequestState
 from mlxserve.engine.core.step import Step
@@ -44,10 +45,14 @@ from mlxserve.engine.runner.adapter import (
 )
 from mlxserve.engine.runner.batch import DecodeBatch, MTPRowBatch, can_join, new_batch
 from mlxserve.engine.sample.logits import TokenChooser
+from mlxserve.engine.sample.rows import sample_rows
 from mlxserve.engine.sample.sampling import sample, token_id
 from mlxserve.engine.spec.depth import DepthPicker
 
 log = logging.getLogger(__name__)
+
+#: The sampling of a row whose chooser drew its token: greedy, its result unused.
+_UNUSED = SamplingParams()
 
 #: finish reasons after which a request's final state is worth keeping for reuse
 _REUSABLE = ("stop", "length")
@@ -276,7 +281,10 @@ class Runner:
         for sequence in sequences:
             if sequence.request_id in self._batch_of:
                 continue
-            if self._ready(sequence) and self._enter(sequence):
+            if self._starts_in_batch(sequence, sequences):
+                continue
+            alone = self._alone(sequence, sequences)
+            if not alone and self._ready(sequence) and self._enter(sequence):
                 continue
             if sequence.depth > 0 and sequence.generated:
                 emitted[sequence.request_id] = self._speculate(sequence, sequence.depth)
@@ -286,6 +294,40 @@ class Runner:
         for batch in stepping:
             self._step(batch, emitted)
         return emitted
+
+    def _starts_in_batch(self, sequence: RequestState, sequences: list[RequestState]) -> bool:
+        """A plain request whose prompt is in but for its last token, in a step with
+        others: it joins their batch with that token as its input, and the batch's step
+        draws its first token (emitted with the next step), rather than a forward of its
+        own (`Scheduler._joining`). Its prompt state goes to the prefix cache first, as
+        `_first_logits` keeps it. False: it takes its first token its own way."""
+        if (
+            len(sequences) < 2
+            or sequence.phase is not Phase.PREFILL
+            or sequence.prompt_remaining > 0
+            or sequence.chooser is not None
+            or sequence.depth > 0
+            or sequence.budget < 2
+            or sequence.state is None
+        ):
+            return False
+        if self.prefix_cache is not None and sequence.prefilled > sequence.cached_tokens:
+            self.prefix_cache.store(sequence.prompt[: sequence.prefilled], sequence.state)
+        sequence.phase = Phase.DECODE
+        return self._enter(sequence)
+
+    def _alone(self, sequence: RequestState, sequences: list[RequestState]) -> bool:
+        """A plain request decoding by itself, no batch in use: it steps on its own
+        caches rather than in a batch of one. A batch's step costs a single sequence
+        more (each layer's mask over the ring and per-row positions: about 10 % of a
+        small model's step on a CPU), and one client is the common case. It joins a
+        batch when another request decodes beside it."""
+        return (
+            len(sequences) == 1
+            and not self.batches
+            and sequence.chooser is None
+            and sequence.depth == 0
+        )
 
     @staticmethod
     def _ready(sequence: RequestState) -> bool:
@@ -334,13 +376,14 @@ class Runner:
         emits: list[bool] | None = None
         if batch.tokens is None:
             # Rows that joined with their next token sampled emit it now; speculative
-            # rows joined with their last emitted token, not yet in their caches.
+            # rows joined with their last emitted token, not yet in their caches, and
+            # starting ones with their last prompt token (`_starts_in_batch`).
             emits = [s.pending is not None for s in rows]
             inputs = mx.concatenate(
                 [
                     s.pending.reshape(1).astype(mx.int32)
                     if s.pending is not None
-                    else mx.array(s.generated[-1:], dtype=mx.int32)
+                    else mx.array((s.generated or s.prompt)[-1:], dtype=mx.int32)
                     for s in rows
                 ]
             )
@@ -436,17 +479,15 @@ class Runner:
         chosen = chosen or {}
         if all(s.request.params.sampling.greedy for i, s in enumerate(rows) if i not in chosen):
             tokens = mx.argmax(logits, axis=-1)
-            if not chosen:
-                return tokens
-            return mx.stack([chosen.get(i, tokens[i]) for i in range(len(rows))])
-        return mx.stack(
-            [
-                chosen[i]
-                if i in chosen
-                else sample(logits[i], s.request.params.sampling, s.key(ahead[i]))
-                for i, s in enumerate(rows)
+        else:
+            # One graph for the batch (`sample_rows`); a chosen row's draw here is unused.
+            params = [
+                _UNUSED if i in chosen else s.request.params.sampling for i, s in enumerate(rows)
             ]
-        )
+            tokens = sample_rows(logits, params, [s.key(ahead[i]) for i, s in enumerate(rows)])
+        if not chosen:
+            return tokens
+        return mx.stack([chosen.get(i, tokens[i]) for i in range(len(rows))])
 
     def _materialize(self, batch: _Batch) -> None:
         """Give each row its own next token back, before the membership changes."""

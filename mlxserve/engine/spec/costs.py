@@ -27,7 +27,9 @@ GREEDY = SamplingParams()
 #: How `measure_round_costs` probes (its defaults and the probes the engine asks for).
 #: Stored costs (`mlxserve.engine.spec.cost_store`) carry it: bump it whenever a change
 #: here makes older figures mean something else, and they are measured again.
-MEASUREMENT = 1
+#: 2: DSpark's ``rounds`` became planned rounds (drafts, confidences and verdict read
+#: back once), where 1 stored rounds that read the confidences first.
+MEASUREMENT = 2
 
 
 @dataclass

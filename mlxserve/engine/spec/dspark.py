@@ -7,21 +7,33 @@ last ``sliding_window`` positions, `DSparkHead.stage_keys`) holds positions 0 ..
 makes (plain steps only record their taps: a step pays no head work).
 
 A round with x_n known (the anchor) and a ceiling of k drafts:
-1. draft: the pending taps join the context; ONE head forward over the block
-   [x_n, noise...] gives base logits for x_{n+1} .. x_{n+block}; draft j is drawn from
+1. plan: how many drafts m to verify, decided before anything runs where it can be
+   (`DSparkAdapter._plan`): from the request's running confidences per position (the
+   confidence head's, `DSparkState.profile`) and the calibration's cost of a whole
+   round at each m, when that beats reading this round's confidences first;
+2. draft: the pending taps join the context; ONE head forward over the block
+   [x_n, noise...] gives base logits for x_{n+1} .. x_{n+k}; draft j is drawn from
    its base logits plus the Markov bias of draft j - 1 (the anchor for the first), the
-   way MTP drafts are drawn (`propose`, with position j's key);
-2. adaptive verification: the confidence head's chance c_j that draft j is kept gives
-   E(m) = 1 + c_1 + c_1 c_2 + ...; of the first k drafts, the m with the most expected
-   tokens per second of the round's remaining work (draft spent, verify(m) to come,
-   from the calibration) are verified; before a calibration, those whose running
-   product of confidences stays above `MIN_CONFIDENCE`. Reading c is the round's first
-   host sync;
-3. verify: one main forward of [x_n, d_1 .. d_m] gives the targets and the taps of
+   way MTP drafts are drawn (`propose`, with position j's key), all on the device;
+3. adaptive verification, where the plan left it to this round: the confidence head's
+   chance c_j that draft j is kept gives E(m) = 1 + c_1 + c_1 c_2 + ...; of the k
+   drafts, the m with the most expected tokens per second of such a round (from the
+   calibration) are verified; before a calibration, those whose running product of
+   confidences stays above `MIN_CONFIDENCE`. Reading c is then a host sync of its own;
+4. verify: one main forward of [x_n, d_1 .. d_m] gives the targets and the taps of
    those positions; acceptance is MTP's (greedy match, coupled draws for a seed,
-   rejection sampling otherwise: `mlxserve.engine.sample.acceptance`): the second sync;
-4. roll back: the main cache drops the m - a rejected positions (slices); the taps of
+   rejection sampling otherwise: `mlxserve.engine.sample.acceptance`). Drafts,
+   confidences, decision and caches are read back together: a planned round's one
+   host sync;
+5. roll back: the main cache drops the m - a rejected positions (slices); the taps of
    x_n .. x_{n+a} become the pending ones. The head keeps nothing of the block.
+
+Why a plan: on a GPU a small-batch step is bound by the host building and launching
+it, and a sync in the middle of a round leaves the device idle while the host builds
+the verify (the whole draft's kernels are waited for first); verifying all k drafts
+costs about what verifying fewer does there. On a CPU rows cost, a sync does not, and
+this round's own confidences are worth reading. The calibration measures both kinds
+of round, so each machine gets what pays on it.
 
 Seeded output is the same at every depth and with any m (coupled draws); greedy
 output is plain decoding's.
@@ -61,6 +73,14 @@ MIN_CONFIDENCE = 0.5
 #: Plain steps let the pending taps grow; past this many rows they join the context.
 MAX_PENDING = 64
 
+#: Weight of a round's confidences in the running ones a plan reads (`DSparkState.profile`):
+#: a few rounds' worth, so a reply that turns easier or harder is followed within a
+#: sentence while one odd round moves the plan little.
+PROFILE_WEIGHT = 0.25
+
+#: Decides how many drafts to verify from a round's confidences (a read of them).
+Decision = Callable[[mx.array, int], int]
+
 
 class DSparkState:
     def __init__(self, cache: list[Any]) -> None:
@@ -68,6 +88,8 @@ class DSparkState:
         self.keys: list[mx.array] = []  # per stage [1, <= window, head_dim]
         self.folded = 0  # positions in the context
         self.pending: list[mx.array] = []  # taps [1, c, targets * D] of the next positions
+        #: the confidence head's running chance per draft position (None: no round yet)
+        self.profile: list[float] | None = None
 
     @property
     def offset(self) -> int:
@@ -90,16 +112,23 @@ class DSparkAdapter:
         self.costs: RoundCosts | None = None
         #: the automatic depth, which learns the confidences per position (`follow`)
         self.picker: DepthPicker | None = None
-        #: verify every drafted position up to the ceiling (the calibration's rounds)
+        #: verify every drafted position up to the ceiling, planned (the calibration's
+        #: whole rounds; tests)
         self.verify_all = False
+        #: the last running confidences of any request: where a new request's plan starts
+        self.profile: list[float] | None = None
 
     def tune(self, tuning: EngineTuning) -> None:
         self.tuning = tuning
         tune_model(self.model, tuning)
 
     def follow(self, picker: DepthPicker) -> None:
-        """Report each round's confidences to the automatic depth (`DepthPicker`)."""
+        """Report each round's confidences to the automatic depth (`DepthPicker`). An
+        engine that started from stored costs (no calibration here) hands its planned
+        rounds over with it: plans are then made on those alone."""
         self.picker = picker
+        if self.costs is None:
+            self.costs = picker.calibrated
 
     def new_state(self, max_rollback: int) -> DSparkState:
         return DSparkState(self.model.make_cache(max_rollback=max_rollback))
@@ -120,7 +149,8 @@ class DSparkAdapter:
         """The pending taps join the context (lazily)."""
         if not state.pending:
             return
-        taps = mx.concatenate(state.pending, axis=1)
+        pending = state.pending
+        taps = pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
         new = self.head.stage_keys(self.head.context(taps), state.folded)
         window = self.head.sliding_window
         if state.keys:
@@ -150,7 +180,7 @@ class DSparkAdapter:
             self._fold(state)
             mx.async_eval(state.keys)  # type: ignore[no-untyped-call]
         logits: mx.array = self.model.head_from_streams(streams[:, -1:])
-        return logits[0, -1]
+        return logits.reshape(-1)  # [1, 1, vocab]: a view (an integer index gathers)
 
     # -- a round ---------------------------------------------------------------
 
@@ -175,32 +205,80 @@ class DSparkAdapter:
         draws: Draws,
         propose: Proposer,
     ) -> tuple[list[mx.array], list[mx.array], mx.array]:
-        """Lazy drafts, their logits, and their confidences [depth]."""
+        """Lazy drafts, their logits, and their confidences [depth]: one head forward,
+        then the Markov chain on the device (nothing read back). Rows are taken by
+        slices and reshapes (views), not integer indices (a gather kernel each)."""
         self._fold(state)
         if state.folded != state.offset:
             raise RuntimeError(f"context at {state.folded}, main model at {state.offset}")
         anchor = mx.array([last_token], dtype=mx.int32)
-        hidden = self.head.hidden(self.model, anchor, state.keys, state.offset)[0, :depth]
+        hidden = self.head.hidden(self.model, anchor, state.keys, state.offset)
+        hidden = hidden[:, :depth].reshape(depth, -1)
         base = self.model.output_head(hidden)
-        previous = anchor[0]
+        vocab = int(base.shape[-1])
+        previous = anchor.reshape(())
         drafts: list[mx.array] = []
         draft_logits: list[mx.array] = []
         for level in range(depth):
-            logits = self.head.step_logits(base[level], previous)
+            logits = self.head.step_logits(base[level : level + 1].reshape(vocab), previous)
             previous = propose(level, logits, params, draws.key(level)).reshape(()).astype(mx.int32)
             drafts.append(previous)
             draft_logits.append(logits)
-        before = mx.stack([anchor[0], *drafts[:-1]])
+        before = mx.stack([anchor.reshape(()), *drafts[:-1]])
         return drafts, draft_logits, self.confidences(hidden, before)
 
-    def _verified(self, confidence: mx.array, depth: int) -> int:
+    def _plan(self, state: DSparkState, depth: int) -> int | None:
+        """How many of ``depth`` drafts to verify, decided before the round runs, so the
+        round reads the host once (drafts, confidences and verdict together); None: read
+        this round's confidences first (`_verified`).
+
+        Planned: the m in 1 .. depth with the most expected tokens per second of a whole
+        round (the calibration's ``rounds[m]``), E(m) from the request's running
+        confidences (`DSparkState.profile`; a new request starts from the last one
+        seen), if that rate is at least the best of a round that reads its confidences
+        first (``verify[m]``: such a round, whole) at those same confidences. Not
+        planned: without a calibration, or before any round has given confidences."""
+        if self.verify_all:
+            return depth
+        costs = self.costs
+        profile = state.profile or self.profile
+        if costs is None or not costs.rounds or profile is None:
+            return None
+        planned = {
+            m: expected_tokens(profile, m) / costs.rounds[m]
+            for m in range(1, depth + 1)
+            if m in costs.rounds
+        }
+        if not planned:
+            return None
+        best = max(planned, key=lambda m: planned[m])
+        read = [m for m in range(depth + 1) if m in costs.verify]
+        read_first = max((expected_tokens(profile, m) / costs.verify[m] for m in read), default=0.0)
+        return best if planned[best] >= read_first else None
+
+    def _observe(self, values: list[float], state: DSparkState | None) -> None:
+        """A round's confidences: to the automatic depth, and into the running ones
+        its request's next plans read."""
+        if self.picker is not None:
+            self.picker.observe_confidence(values)
+        old = (state.profile if state is not None else None) or self.profile or []
+        profile = [
+            value if i >= len(old) else old[i] + PROFILE_WEIGHT * (value - old[i])
+            for i, value in enumerate(values)
+        ]
+        profile += old[len(values) :]
+        self.profile = profile
+        if state is not None:
+            state.profile = profile
+
+    def _verified(self, confidence: mx.array, depth: int, state: DSparkState | None = None) -> int:
         """How many drafts to verify (`MIN_CONFIDENCE`, or the most expected tokens per
-        second of the round's remaining work); a host read of the confidences."""
+        second of a round that read its confidences, ``costs.verify``); a host read of
+        the confidences."""
         if self.verify_all:
             return depth
         values = _floats(confidence)
-        if self.picker is not None:
-            self.picker.observe_confidence(values)
+        self._observe(values, state)
         costs = self.costs
         if costs is None or not costs.verify:
             kept, count = 1.0, 0
@@ -216,16 +294,38 @@ class DSparkAdapter:
         }
         return max(rates, key=lambda m: rates[m])
 
+    def _count(
+        self,
+        state: DSparkState,
+        plan: int | None,
+        drafts: list[mx.array],
+        confidence: mx.array,
+        depth: int,
+        decide: Decision | None,
+    ) -> int:
+        """The drafts to verify: the plan's, or (no plan) decided on this round's
+        confidences, read now (``decide``, else `_verified`): the round's first sync."""
+        if plan is not None:
+            return plan
+        mx.eval(drafts, confidence)
+        if decide is not None:
+            return decide(confidence, depth)
+        return self._verified(confidence, depth, state)
+
     def _verify(
         self, state: DSparkState, last_token: int, drafts: list[mx.array]
     ) -> tuple[mx.array, mx.array, mx.array]:
-        """Draft ids [m], the main logits [m + 1, vocab] and the taps of the verify."""
+        """Draft ids [m], the main logits [m + 1, vocab] and the taps of the verify.
+        Drafts still lazy (a planned round) are queued first, so the device runs the
+        head while the host builds the verify (as `mtp.verify_streams` does)."""
+        queue_every = self.tuning.verify_queue_every_layers
+        if queue_every and drafts:
+            mx.async_eval(drafts)  # type: ignore[no-untyped-call]
         ids = mx.stack(drafts) if drafts else mx.zeros((0,), dtype=mx.int32)
         tokens = mx.concatenate([mx.array([last_token], dtype=mx.int32), ids.astype(mx.int32)])
-        queue_every = self.tuning.verify_queue_every_layers
         streams, taps = self._forward(state, tokens, queue_every)
-        logits: mx.array = self.model.head_from_streams(streams)[0]
-        return ids, logits, taps
+        logits: mx.array = self.model.head_from_streams(streams)
+        return ids, logits.reshape(logits.shape[1:]), taps
 
     def speculate(
         self, state: Any, last_token: int, depth: int, params: SamplingParams, draws: Draws
@@ -233,11 +333,24 @@ class DSparkAdapter:
         """One draft + verify round; returns (tokens to emit, verified, accepted)."""
         assert isinstance(state, DSparkState) and depth >= 1
         depth = min(depth, self.max_draft_depth)
+        return self._round(state, last_token, depth, params, draws, self._plan(state, depth))
+
+    def _round(
+        self,
+        state: DSparkState,
+        last_token: int,
+        depth: int,
+        params: SamplingParams,
+        draws: Draws,
+        plan: int | None,
+        decide: Decision | None = None,
+    ) -> tuple[list[int], int, int]:
+        """`speculate` with its plan given (None: decided on the round's confidences,
+        by ``decide`` if given): the calibration times both kinds of round."""
         drafts, draft_logits, confidence = self._draft(
             state, last_token, depth, params, draws, self.propose
         )
-        mx.eval(drafts, confidence)
-        count = self._verified(confidence, depth)
+        count = self._count(state, plan, drafts, confidence, depth, decide)
         drafts, draft_logits = drafts[:count], draft_logits[:count]
         ids, logits, taps = self._verify(state, last_token, drafts)
         caches = [c.state for c in state.cache]
@@ -246,7 +359,7 @@ class DSparkAdapter:
                 targets = mx.argmax(logits, axis=-1)
             else:
                 targets = draws.pick(mx.log(probabilities(logits, params)))
-            mx.eval(targets, taps, caches)
+            mx.eval(ids, targets, taps, caches, confidence)
             emitted = greedy_accept(_ints(ids), _ints(targets))
         else:
             vocab = int(logits.shape[-1])
@@ -256,8 +369,10 @@ class DSparkAdapter:
                 else mx.zeros((0, vocab), dtype=mx.float32)
             )
             kept, final = rejection_decision(ids, q, probabilities(logits, params), draws)
-            mx.eval(kept, final, taps, caches)
+            mx.eval(ids, kept, final, taps, caches, confidence)
             emitted = [*_ints(ids)[: token_id(kept)], token_id(final)]
+        if plan is not None and decide is None:
+            self._observe(_floats(confidence), state)  # read back with the verdict
         return _settle(state, emitted, count, taps)
 
     def speculate_chosen(
@@ -273,16 +388,19 @@ class DSparkAdapter:
         transforms (`mlxserve.engine.spec.draft_choice`)."""
         assert isinstance(state, DSparkState) and depth >= 1
         depth = min(depth, self.max_draft_depth)
+        plan = self._plan(state, depth)
         chosen = ChosenRound(chooser, remaining)
         drafts, _, confidence = self._draft(
             state, last_token, depth, chooser.params, draws, chosen.propose
         )
-        mx.eval(drafts, confidence)
-        count = self._verified(confidence, depth)
+        count = self._count(state, plan, drafts, confidence, depth, None)
         chosen.truncate(count)
         _, logits, taps = self._verify(state, last_token, chosen.drafts)
-        mx.async_eval(logits, taps, [c.state for c in state.cache])  # type: ignore[no-untyped-call]
+        caches = [c.state for c in state.cache]
+        mx.async_eval(logits, taps, caches, confidence)  # type: ignore[no-untyped-call]
         emitted = chosen.verify(logits, draws)
+        if plan is not None:
+            self._observe(_floats(confidence), state)  # computed with the verify
         return _settle(state, emitted, count, taps)
 
     # -- costs, copies ---------------------------------------------------------
@@ -292,10 +410,11 @@ class DSparkAdapter:
         tick: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> RoundCosts:
-        """A plain step, the verify of 1 .. block + 1 tokens, one draft (the whole
-        block) and a whole round at every ceiling (all its drafts verified), on a
-        throw-away state; interleaved, the median of five after an untimed pass. Kept
-        for adaptive verification (`costs`)."""
+        """A plain step, one draft (the whole block), and whole rounds on a throw-away
+        state: planned ones at every ceiling (all drafts verified, one host sync) and
+        ones that read their confidences first, verifying each m in 0 .. block;
+        interleaved, the median of five after an untimed pass. Kept for the plans and
+        adaptive verification (`costs`); the automatic depth gets the planned rounds."""
         from mlxserve.engine.spec.costs import RoundCosts
 
         costs = measure_dspark_costs(self, tick, clock)
@@ -338,9 +457,11 @@ def measure_dspark_costs(
     steps: int = 8,
     context: int = 32,
 ) -> RoundCosts:
-    """`DSparkAdapter.measure_costs`'s probes: ``verify[m]`` is the forward of m + 1
-    tokens (m = 0: one token, synced), ``draft`` the head's whole block, ``rounds[k]``
-    a round verifying all k drafts."""
+    """`DSparkAdapter.measure_costs`'s probes: ``plain`` a pipelined step, ``draft`` the
+    head's whole block (synced), ``verify[m]`` a whole round that reads its
+    confidences, then verifies m drafts (m = 0: the anchor alone), ``rounds[k]`` a
+    planned round verifying all k drafts. The probes' confidences (of made-up tokens)
+    leave the adapter's running ones as they were."""
     from mlxserve.engine.spec.costs import RoundCosts, interleaved_medians
 
     vocab = int(adapter.model.args.vocab_size)
@@ -348,9 +469,9 @@ def measure_dspark_costs(
     state = adapter.new_state(max_rollback=max(steps, block) + 1)
     adapter.prefill(state, [(7 * i + 3) % vocab for i in range(context)])
     token = mx.array([1], mx.int32)
-    varied = mx.array([(31 * i + 11) % vocab for i in range(block + 1)], mx.int32)
     greedy = SamplingParams()
     keys = KeyStream(0).at(0)
+    profile = adapter.profile
 
     def plain() -> float:
         probe = adapter.snapshot(state)
@@ -362,14 +483,6 @@ def measure_dspark_costs(
         mx.eval(current, [c.state for c in probe.cache])
         return (clock() - start) / steps
 
-    def verify(m: int) -> float:
-        probe = adapter.snapshot(state)
-        start = clock()
-        streams, taps = adapter._forward(probe, varied[: m + 1])
-        logits = adapter.model.head_from_streams(streams)
-        mx.eval(mx.argmax(logits, axis=-1), taps, [c.state for c in probe.cache])
-        return clock() - start
-
     def draft() -> float:
         probe = adapter.snapshot(state)
         start = clock()
@@ -377,28 +490,39 @@ def measure_dspark_costs(
         mx.eval(drafts, confidence)
         return clock() - start
 
-    def whole_round(k: int) -> float:
+    def read_first(m: int) -> float:
         probe = adapter.snapshot(state)
-        adapter.verify_all = True
-        try:
-            start = clock()
-            adapter.speculate(probe, 1, k, greedy, keys)
-            return clock() - start
-        finally:
-            adapter.verify_all = False
+        start = clock()
+        adapter._round(probe, 1, block, greedy, keys, None, lambda c, _: _read(c, m))
+        return clock() - start
+
+    def planned(k: int) -> float:
+        probe = adapter.snapshot(state)
+        start = clock()
+        adapter._round(probe, 1, k, greedy, keys, k)
+        return clock() - start
 
     probes: dict[str, Callable[[], float]] = {"plain": plain, "draft": draft}
     for m in range(block + 1):
-        probes[f"verify{m}"] = lambda m=m: verify(m)  # type: ignore[misc]
+        probes[f"read{m}"] = lambda m=m: read_first(m)  # type: ignore[misc]
     for k in range(1, block + 1):
-        probes[f"round{k}"] = lambda k=k: whole_round(k)  # type: ignore[misc]
-    median = interleaved_medians(probes, trials, tick)
+        probes[f"round{k}"] = lambda k=k: planned(k)  # type: ignore[misc]
+    try:
+        median = interleaved_medians(probes, trials, tick)
+    finally:
+        adapter.profile = profile
     return RoundCosts(
         plain=median["plain"],
-        verify={m: median["draft"] + median[f"verify{m}"] for m in range(block + 1)},
+        verify={m: median[f"read{m}"] for m in range(block + 1)},
         draft=median["draft"],
         rounds={k: median[f"round{k}"] for k in range(1, block + 1)},
     )
+
+
+def _read(confidence: mx.array, count: int) -> int:
+    """``count``, after reading ``confidence`` to the host as a round deciding on it does."""
+    _floats(confidence)
+    return count
 
 
 def _floats(values: mx.array) -> list[float]:

@@ -36,13 +36,15 @@ from mlx.nn.layers.normalization import RMSNorm
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from mlxserve.hardware.tuning import default_tuning
-from mlxserve.kernels.attention import split_queries
+from mlxserve.kernels.attention import blocked_queries, split_queries
 
 from .cache import LayerCache, RowCaches
 from .compressor import Compressor
 from .config import CSA, SLIDING, ModelArgs
+from .fused_linears import fused
 from .indexer import Indexer, visible_entries
 from .moe import quantized_experts
+from .prefill_attention import WORKING_BYTES, groups_major, prefill_attention
 from .rope import PartialRoPE
 from .stacked import StackedRows
 
@@ -160,6 +162,11 @@ class Attention(Module):
         # The tuning's knob (``Model.tune``): forwards of at most this many rows call a
         # quantised ``wo_a`` with constant row ids (no ``arange`` per call).
         self.fused_max_rows = default_tuning().compiled_decode_max_rows
+        # A prefill chunk attends by blocks (``prefill_attention``); False gives it the
+        # one masked call of a verify forward: the baseline a benchmark measures against.
+        self.blocked_prefill = True
+        # Bytes a blocked prefill's group of queries may hold at once (tests shrink it).
+        self.prefill_working_bytes = WORKING_BYTES
 
         rope_key = "main" if layer_type == SLIDING else "compress"
         self.rope = PartialRoPE(
@@ -236,6 +243,12 @@ class Attention(Module):
             and grouped_agrees()
         ):
             return _grouped(layer, out)
+        if (
+            self.blocked_prefill
+            and blocked_queries(rows)
+            and isinstance(layer, QuantizedSwitchLinear | SwitchLinear)
+        ):
+            return groups_major(layer, out)  # a prefill chunk: one matmul per group
         grouped: mx.array = layer(out, self._group_ids)
         return grouped
 
@@ -265,6 +278,8 @@ class Attention(Module):
         """Attend (rotated ``q``, ``kv``) over the window and the compressed entries;
         returns [B, H, S, D], still rotated."""
         length = x.shape[1]
+        if length == 1 and x.shape[0] <= self.fused_max_rows:
+            return self._attend_one(x, q_residual, q, kv, cache)
         start = cache.offset
         previous = 0 if cache.window is None else int(cache.window.shape[1])
         previous = min(previous, self.sliding_window - 1)
@@ -282,6 +297,21 @@ class Attention(Module):
                     entries = mx.take_along_axis(entries, chosen[:, 0, :, None], axis=1)
                 keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
             return self._sdpa(q, keys, None)
+        if self.blocked_prefill and blocked_queries(length):
+            # A prefill chunk: each query over only the keys it sees (prefill_attention).
+            return prefill_attention(
+                q,
+                keys,
+                previous,
+                self.sliding_window,
+                self.attn_sink,
+                self.head_dim**-0.5,
+                entries,
+                chosen,
+                start,
+                self.ratio,
+                budget=self.prefill_working_bytes,
+            )
         if split_queries(length, self.split_attention_queries) and (
             chosen is None or (start + 1) // self.ratio >= self.indexer.index_topk
         ):
@@ -304,6 +334,40 @@ class Attention(Module):
         if entries is not None:
             keys, mask = self._add_entries(start, length, keys, mask, entries, chosen)
         return self._sdpa(q, keys, mask)
+
+    def _attend_one(
+        self, x: mx.array, q_residual: mx.array, q: mx.array, kv: mx.array, cache: LayerCache
+    ) -> mx.array:
+        """`_attend` of one query (a decode step), its small ops fused: the compressors'
+        and the indexer's projections of ``x`` as one matmul (`_projections`), and the
+        window, the new row and the entries it sees as one concatenation (its keys)."""
+        previous = 0 if cache.window is None else int(cache.window.shape[1])
+        previous = min(previous, self.sliding_window - 1)
+        seen = None
+        if self.layer_type != SLIDING:
+            entries, chosen = self._compressed(x, q_residual, cache, self._projections(x))
+            if entries is not None:
+                if chosen is not None:  # cast after the pick: k entries, not all of them
+                    entries = mx.take_along_axis(entries, chosen[:, 0, :, None], axis=1)
+                seen = entries.astype(kv.dtype)
+        keys = cache.update_window(kv, seen)
+        cache.advance(1)
+        # One query sees its whole window and every closed entry, or all its picks (it
+        # sees every entry, and there are more than index_topk): no mask.
+        first = keys.shape[1] - (0 if seen is None else seen.shape[1]) - previous - 1
+        return self._sdpa(q, keys[:, first:], None)
+
+    def _projections(self, x: mx.array) -> dict[str, mx.array]:
+        """The compressors' (and the indexer's weights') projections of ``x``, by name,
+        those of one kind as one matmul (``fused_linears.py``)."""
+        layers = {"kv": self.compressor.wkv, "gate": self.compressor.wgate}
+        if self.layer_type == CSA:
+            index = self.indexer
+            layers["index_kv"] = index.compressor.wkv
+            layers["index_gate"] = index.compressor.wgate
+            layers["index_weights"] = index.weights_proj
+        outputs = fused(self, "_decode_inputs", list(layers.values()))(x)
+        return dict(zip(layers, outputs, strict=True))
 
     def _sdpa(self, q: mx.array, keys: mx.array, mask: mx.array | None) -> mx.array:
         """One attention call; K = V, ``mask`` [B, S, keys] or None."""
@@ -351,13 +415,23 @@ class Attention(Module):
         keys, mask = cache.update_window(kv)
         if self.layer_type != SLIDING:
             starts = cache.offsets
+            projected = self._projections(x) if x.shape[0] <= self.fused_max_rows else None
+            own = None if projected is None else (projected["kv"], projected["gate"])
             entries, valid = self.compressor.step_stacked(
-                x, cache.compressors["compressor"], starts, self.rope
+                x, cache.compressors["compressor"], starts, self.rope, own
             )
             picked = None
             if self.layer_type == CSA:
+                index = None
+                if projected is not None:
+                    index = (
+                        projected["index_kv"],
+                        projected["index_gate"],
+                        projected["index_weights"],
+                    )
+                state = cache.compressors["indexer"]
                 picked = self.indexer.select_stacked(
-                    x, q_residual, cache.compressors["indexer"], starts, offsets, self.rope
+                    x, q_residual, state, starts, offsets, self.rope, index
                 )
             if entries is not None:
                 if picked is not None:
@@ -379,15 +453,26 @@ class Attention(Module):
         return out
 
     def _compressed(
-        self, x: mx.array, q_residual: mx.array, cache: LayerCache
+        self,
+        x: mx.array,
+        q_residual: mx.array,
+        cache: LayerCache,
+        projected: dict[str, mx.array] | None = None,
     ) -> tuple[mx.array | None, mx.array | None]:
         """This layer's compressed entries [B, N, D] (None before the first closes) and,
-        in CSA layers past ``index_topk`` entries, the indexer's picks [B, S, k]."""
+        in CSA layers past ``index_topk`` entries, the indexer's picks [B, S, k].
+        ``projected``: `_projections` of ``x``, made already."""
         start = cache.offset
-        entries = self.compressor(x, cache.compressors["compressor"], start, self.rope)
+        state = cache.compressors["compressor"]
+        own = None if projected is None else (projected["kv"], projected["gate"])
+        entries = self.compressor(x, state, start, self.rope, own)
         chosen = None
         if self.layer_type == CSA:
-            chosen = self.indexer(x, q_residual, cache.compressors["indexer"], start, self.rope)
+            index = None
+            if projected is not None:
+                index = (projected["index_kv"], projected["index_gate"], projected["index_weights"])
+            state = cache.compressors["indexer"]
+            chosen = self.indexer(x, q_residual, state, start, self.rope, index)
         return entries, chosen
 
     def _add_entries(

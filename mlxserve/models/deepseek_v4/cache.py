@@ -110,12 +110,20 @@ class LayerCache(_BaseCache):
         self.offset = 0
         self.window: mx.array | None = None
 
-    def update_window(self, kv: mx.array) -> mx.array:
-        """Return the kept rows followed by ``kv``, and keep the rows a later query needs."""
-        window = _append(self.window, kv)
+    def update_window(self, kv: mx.array, extra: mx.array | None = None) -> mx.array:
+        """Return the kept rows followed by ``kv``, and keep the rows a later query needs.
+
+        ``extra`` rows (a decode step's compressed entries) are returned after ``kv``,
+        not kept: the step's keys are then one concatenation, not two."""
+        if extra is None:
+            window = _append(self.window, kv)
+            joined = window
+        else:
+            joined = mx.concatenate([a for a in (self.window, kv, extra) if a is not None], axis=1)
+            window = joined[:, : joined.shape[1] - extra.shape[1]]
         keep = self.sliding_window - 1 + self.max_rollback
         self.window = window[:, -keep:] if keep > 0 else window[:, :0]
-        return window
+        return joined
 
     def advance(self, length: int) -> None:
         """Close a step of ``length`` tokens, dropping the raw rows no longer needed."""

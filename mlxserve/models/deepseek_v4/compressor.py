@@ -44,10 +44,17 @@ class Compressor(Module):
         return CompressorState(self.ratio, self.overlap)
 
     def __call__(
-        self, x: mx.array, state: CompressorState, start: int, rope: PartialRoPE
+        self,
+        x: mx.array,
+        state: CompressorState,
+        start: int,
+        rope: PartialRoPE,
+        projected: tuple[mx.array, mx.array] | None = None,
     ) -> mx.array | None:
-        """Add the rows of ``x`` (positions ``start ..``); return all entries so far."""
-        state.append_raw(self.wkv(x), self.wgate(x))
+        """Add the rows of ``x`` (positions ``start ..``); return all entries so far.
+        ``projected``: ``(wkv(x), wgate(x))``, made already (a decode step makes them
+        in one matmul with others: ``Attention._projections``)."""
+        state.append_raw(*(projected or (self.wkv(x), self.wgate(x))))
         closed = (start + x.shape[1]) // self.ratio
         first = state.num_entries
         if closed > first:
@@ -57,15 +64,21 @@ class Compressor(Module):
         return state.entries
 
     def step_stacked(
-        self, x: mx.array, state: StackedCompressor, starts: list[int], rope: PartialRoPE
+        self,
+        x: mx.array,
+        state: StackedCompressor,
+        starts: list[int],
+        rope: PartialRoPE,
+        projected: tuple[mx.array, mx.array] | None = None,
     ) -> tuple[mx.array | None, mx.array]:
         """One token per row (``x`` [B, 1, hidden], row ``b`` at position ``starts[b]``);
         returns every row's entries [B, capacity, head_dim] and their mask [B, capacity].
 
         The rows that close an entry now are pooled in one batched computation, only on
         steps where some row closes one; the other steps append the raw rows alone.
+        ``projected`` as in ``__call__``.
         """
-        state.push(self.wkv(x), self.wgate(x))
+        state.push(*(projected or (self.wkv(x), self.wgate(x))))
         closing = [(start + 1) % self.ratio == 0 for start in starts]
         if any(closing):
             pooled = self._pool_rows(*state.window())  # [B, 1, head_dim]

@@ -59,11 +59,14 @@ class DecoderLayer(Module):
 
     def __call__(self, streams: mx.array, token_ids: mx.array, cache: AnyCache) -> mx.array:
         # V4 computes each block's collapse weights from the streams entering *that* block.
-        x, post, comb = self.hc_attn.enter(streams)
-        h = self.attn(self.attn_norm(x), cache)
-        streams = self.hc_attn.leave(h, streams, post, comb)
-        x, post, comb = self.hc_ffn.enter(streams)
-        h = self.ffn(self.ffn_norm(x), token_ids)
+        # Each block's norm is applied by `enter`, and the attention's exit runs with
+        # the FFN's entry: one CUDA kernel each for a decode step (hyper_connections.py).
+        x, post, comb = self.hc_attn.enter(streams, self.attn_norm)
+        h = self.attn(x, cache)
+        streams, x, post, comb = self.hc_attn.leave_enter(
+            h, streams, post, comb, self.hc_ffn, self.ffn_norm
+        )
+        h = self.ffn(x, token_ids)
         return self.hc_ffn.leave(h, streams, post, comb)
 
 

@@ -15,11 +15,13 @@ expert is ``deepseek_v41``'s ``SharedMLP``, which is the same.
 Fused (forwards of at most the tuning's ``compiled_decode_max_rows`` rows, set by
 ``Model.tune``): as ops the block is about 30 kernels, most of them tiny. The router's
 scoring and bias are one compiled element-wise string; the normalisation of the picked
-weights (a sum over the ``top_k`` picks written out) and the mixing of the experts'
-outputs with the shared expert's are another; each clamped SwiGLU is one; and
-quantised experts are called with their row ids as a constant of the batch size,
-where ``gather_qmm`` would otherwise build and cast an ``arange`` per call. Only the
-order of a few float32 terms of each sum differs from the ops; the fused block
+weights and the mixing of the experts' outputs with the shared expert's are another
+(the sums over the ``top_k`` picks written out pairwise, the normalisation applied
+once to the weighted sum); each clamped SwiGLU is one; the shared expert's
+``up_proj`` and ``gate_proj`` are one matmul (``fused_linears.py``); and quantised
+experts are called with their row ids as a constant of the batch size, where
+``gather_qmm`` would otherwise build and cast an ``arange`` per call. Only the order
+and rounding of a few float32 terms of each sum differ from the ops; the fused block
 checks itself once per process against the ops (``fused_agrees``) and is not used if
 it differs.
 """
@@ -39,6 +41,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU
 from mlxserve.hardware.tuning import default_tuning
 
 from .config import HASH_MOE, ModelArgs
+from .fused_linears import fused
 
 log = logging.getLogger(__name__)
 #: ``SwitchGLU`` sorts the rows by expert from this many (row, pick) pairs on.
@@ -81,22 +84,25 @@ def _scored(logits: mx.array, bias: mx.array, scoring_func: str) -> tuple[mx.arr
     return scores, -(scores + bias)
 
 
-def _normalised(picked: mx.array, scale: float) -> mx.array:
-    """The picked weights over their sum, times ``scale``: the sum written out."""
-    total = picked[..., 0:1]
-    for i in range(1, picked.shape[-1]):
-        total = total + picked[..., i : i + 1]
-    return picked / (total + 1e-20) * scale
+def _tree_sum(terms: list[mx.array]) -> mx.array:
+    """The terms added pairwise: a string of depth log2(n), not n, so that MLX's
+    compiler (which ends a kernel at a depth of 11) keeps it in one kernel."""
+    while len(terms) > 1:
+        pairs = [a + b for a, b in zip(terms[::2], terms[1::2], strict=False)]
+        terms = pairs + ([terms[-1]] if len(terms) % 2 else [])
+    return terms[0]
 
 
 def _mixed(routed: mx.array, picked: mx.array, shared: mx.array, scale: float) -> mx.array:
-    """sum_k weights_k * routed_k + shared, in float32, the weights `_normalised` from
-    the picked scores in the same element-wise string, each sum written out."""
-    weights = _normalised(picked, scale)
-    out = routed[:, 0].astype(mx.float32) * weights[:, 0:1]
-    for i in range(1, routed.shape[1]):
-        out = out + routed[:, i].astype(mx.float32) * weights[:, i : i + 1]
-    return out + shared.astype(mx.float32)
+    """sum_k weights_k * routed_k + shared, in float32, the weights the picked scores
+    over their sum times ``scale``, as one element-wise string: the sums written out
+    over the picks' own columns (no intermediate is sliced), and the normalisation
+    applied once to the weighted sum, ``sum_k p_k r_k * (scale / sum_k p_k)`` (the
+    same value up to the rounding of a few float32 terms)."""
+    picks = range(picked.shape[-1])
+    total = _tree_sum([picked[..., i : i + 1] for i in picks])
+    weighted = _tree_sum([routed[:, i].astype(mx.float32) * picked[:, i : i + 1] for i in picks])
+    return weighted * (scale / (total + 1e-20)) + shared.astype(mx.float32)
 
 
 @cache
@@ -246,7 +252,10 @@ class MoE(Module):
         else:
             routed = experts(flat, chosen)
         shared_mlp = self.shared_experts
-        hidden = act(shared_mlp.up_proj(flat), shared_mlp.gate_proj(flat)).astype(flat.dtype)
+        # One matmul for the two where they concatenate (``fused_linears.py``).
+        both = fused(self, "_shared_in", (shared_mlp.up_proj, shared_mlp.gate_proj))
+        up, gate = both(flat)
+        hidden = act(up, gate).astype(flat.dtype)
         mixing = _compiled("mixed", scale=self.gate.scale)
         out = mixing(routed, picked, shared_mlp.down_proj(hidden))
         if self.sharding_group is not None:

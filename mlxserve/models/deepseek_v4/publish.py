@@ -15,6 +15,16 @@ by public loaders; see docs/deepseek-v4-flash.md#published-tensor-names):
   (``ffn.gate.tid2eid``, int64, on hash layers), ``ffn.experts.E.w{1,2,3}`` (one tensor
   per expert) and ``ffn.shared_experts.w{1,2,3}``; ``wo_a`` is two-dimensional.
 
+A DSpark draft head (DeepSeek-V4-Flash-0731; ``model.dspark``, see ``dspark.py``) is
+written back on its stages ``mtp.0`` .. ``mtp.N-1``: each ``dspark.stages.I`` as the
+block ``mtp.I`` (the per-layer names above), the parts the head holds once on the
+stage that publishes them (``main_proj`` and ``main_norm`` on the first stage;
+``norm``, ``hc_head_{fn,base,scale}``, ``markov_head`` and ``confidence_head`` on the
+last), and its ``dspark_*`` keys in ``config.json``: the inverse of
+``dspark.sanitize_head``, in the layout -0731 ships and mlx-vlm's
+``deepseek_v4_dspark`` drafter reads (it builds ``main_proj`` on its first stage and
+``hc_head`` / ``norm`` on its last, and takes ``markov_head`` from any).
+
 Weights are written in float (quantised modules are dequantised): the FP8 / FP4
 packing of the real release is a storage format that ``packed.py`` reads and that
 the float values here could only approximate.
@@ -22,7 +32,9 @@ the float values here could only approximate.
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -30,6 +42,8 @@ from mlx.nn.layers.base import Module
 from mlx.utils import tree_flatten
 
 from .config import CSA, HASH_MOE, HCA, SLIDING, ModelArgs
+from .dspark import CONFIG_KEYS as DSPARK_CONFIG_KEYS
+from .dspark import head_of
 
 _TOP = {
     "model.embed_tokens.weight": "embed.weight",
@@ -54,6 +68,27 @@ _EXPERT_STACK = re.compile(r"^(.+)\.ffn\.switch_mlp\.(gate|up|down)_proj\.weight
 _EXPERT_NAME = {"gate": "w1", "down": "w2", "up": "w3"}
 #: DeepSeek's (CSA, HCA) compression ratios, the only ones ``compress_ratios`` carries
 _PUBLISHED_RATIOS = (4, 128)
+_DSPARK_STAGE = re.compile(r"^dspark\.stages\.(\d+)\.(.+)$")
+#: DSpark head parts held once, published on the first stage / on the last one.
+_DSPARK_FIRST = ("main_proj.", "main_norm.")
+_DSPARK_LAST = ("norm.", "hc_head.", "markov_head.", "confidence_head.")
+
+
+def dspark_stage_name(name: str, stages: int) -> str:
+    """``name`` of a DSpark head parameter (``dspark.*``) on its published stage
+    ``mtp.I.*``, still in MLX spelling (`published_name` renames the rest); other
+    names are returned as they are."""
+    if not name.startswith("dspark."):
+        return name
+    match = _DSPARK_STAGE.match(name)
+    if match is not None:
+        return f"mtp.{match.group(1)}.{match.group(2)}"
+    part = name.removeprefix("dspark.")
+    if part.startswith(_DSPARK_FIRST):
+        return f"mtp.0.{part}"
+    if part.startswith(_DSPARK_LAST):
+        return f"mtp.{stages - 1}.{part}"
+    raise ValueError(f"DSpark parameter {name!r} has no published stage.")
 
 
 def published_name(name: str) -> str:
@@ -98,10 +133,13 @@ def published_weights(model: Module, dtype: mx.Dtype | None = None) -> dict[str,
     (``model.cast_predicate``); None keeps each tensor's dtype.
     """
     keep = getattr(model, "cast_predicate", lambda _key: True)
+    head = head_of(model)
+    stages = head.spec.stages if head is not None else 0
     out: dict[str, mx.array] = {}
     for name, value in sorted(_float_parameters(model).items()):
         if dtype is not None and mx.issubdtype(value.dtype, mx.floating) and keep(name):
             value = value.astype(dtype)
+        name = dspark_stage_name(name, stages)
         stack = _EXPERT_STACK.match(name)
         if stack is not None:
             block, proj = stack.groups()
@@ -113,7 +151,10 @@ def published_weights(model: Module, dtype: mx.Dtype | None = None) -> dict[str,
             value = value.reshape(-1, value.shape[-1])
         if name.endswith(".gate.tid2eid"):
             value = value.astype(mx.int64)
-        out[published_name(name)] = value
+        published = published_name(name)
+        if published in out:
+            raise ValueError(f"two parameters publish as {published!r}.")
+        out[published] = value
     return out
 
 
@@ -122,6 +163,9 @@ def published_config(args: ModelArgs, extra: dict[str, Any] | None = None) -> di
     layers then the MTP blocks, when the ratios are DeepSeek's 4 and 128;
     ``num_hash_layers``, ``qk_rope_head_dim``, a flat ``rope_scaling``), plus ``extra``
     (token ids, for instance).
+
+    A DSpark head's ``dspark_*`` keys are written when ``args`` has them (-0731's
+    spelling; ``dspark.py``).
 
     Raises ``ValueError`` for what that spelling cannot say: hash-routed layers that
     are not the first ones.
@@ -186,5 +230,27 @@ def published_config(args: ModelArgs, extra: dict[str, Any] | None = None) -> di
         config["layer_types"] = list(args.layer_types)
         config["mtp_layer_types"] = list(args.mtp_layer_types or [])
         config["compress_rates"] = {CSA: ratios[CSA], HCA: ratios[HCA]}
+    for key in DSPARK_CONFIG_KEYS:
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
     config.update(extra or {})
     return config
+
+
+def write_published(
+    model: Module,
+    directory: Path,
+    extra: dict[str, Any] | None = None,
+    dtype: mx.Dtype | None = None,
+) -> Path:
+    """``model`` (with its MTP blocks or its DSpark head) in DeepSeek's published
+    layout: ``model.safetensors`` (`published_weights`) and ``config.json``
+    (`published_config` plus ``extra``) in ``directory``, which is created; the
+    tokenizer is the caller's. Returns ``directory``."""
+    args: ModelArgs = model.args
+    directory.mkdir(parents=True, exist_ok=True)
+    weights = published_weights(model, dtype)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
+    config = published_config(args, extra)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return directory

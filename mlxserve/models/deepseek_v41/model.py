@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's text model: mlx-lm's ``deepseek_v41``, with mlxserve's Engram added.
+"""DeepSeek-V4.1's text model: mlx-lm's ``deepseek_v41``, with mlxserve's Engram and DSpark.
 
 mlx-lm's ``deepseek_v41`` (shared-KV CSA2 attention, hyper-connections, MoE) is used
 as it is for every layer; its ``ModelArgs`` refuses configs with Engram layers, because
@@ -6,21 +6,30 @@ it has no Engram. Here the arguments keep the Engram fields, the text model is b
 without them, and each Engram layer gets an ``engram`` module (``engram.py``) that
 adds its lookup to the residual streams just before the layer runs, as the reference
 does. The forward is mlx-lm's ``TextModel.__call__`` with that one addition (no
-pipeline parallelism).
+pipeline parallelism), split as DeepSeek-V4's is so a draft head can use the trunk:
+
+* ``forward_hidden(inputs, cache, taps=...)`` returns the hidden states [B, S, D]
+  (the last streams collapsed with the last ``pre_mix``, before the final norm) and
+  hands out the taps a DSpark head reads;
+* ``head_from_streams(hidden)`` applies the final norm and ``lm_head``.
 
 The hashes need the release's ``engram_token_map.json`` (`set_token_map`, called by
 the loader); each sequence's cache keeps the last mapped ids, so decode steps hash
-the n-grams that reach back into the prompt.
+the n-grams that reach back into the prompt. ``make_cache(max_rollback=k)`` gives
+caches that can drop their last ``k`` positions (``cache.py``), for speculation.
 
+The DSpark draft head (``mtp.*``, with the config's ``dspark_*`` fields) becomes
+``model.dspark`` (``dspark.py``): V4.1 speculates with the engine's DSpark adapter.
 Not served, and so dropped by ``sanitize`` (the loader names them): the vision tower
-(``vision.*``, ``aligner.*``, ``image_*``) and the MTP / DSpark draft head
-(``mtp.*``): V4.1 is served at speculative depth 0.
+(``vision.*``, ``aligner.*``, ``image_*``), and ``mtp.*`` tensors without the config
+fields a DSpark head needs.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +37,15 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import deepseek_v41 as text
 
+from mlxserve.models.deepseek_v4.dspark import head_of
+
+from .cache import LayerCache
+from .compressor import Compressor
+from .dspark import attach_head, split_draft
 from .engram import Engram, EngramHasher, EngramSpec
 from .parts import NOT_SERVED, not_served
 
-__all__ = ["NOT_SERVED", "EngramCache", "Model", "ModelArgs", "not_served"]
+__all__ = ["NOT_SERVED", "LayerCache", "Model", "ModelArgs", "not_served"]
 
 TOKEN_MAP_FILE = "engram_token_map.json"
 _ENGRAM_KEY = re.compile(r"^(?:model\.)?layers\.(\d+)\.engram\.(.+)$")
@@ -50,6 +64,15 @@ class ModelArgs(text.ModelArgs):
     engram_head_dim: int = 256
     engram_pad_token_id: int = 2
     engram_compressed_vocab_size: int = 0
+    # The DSpark draft head (``dspark.py``): its stages, block, taps, noise token,
+    # Markov rank and its own expert bank (0: the backbone's).
+    num_nextn_predict_layers: int = 0
+    dspark_block_size: int | None = None
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_noise_token_id: int | None = None
+    dspark_markov_rank: int | None = None
+    dspark_n_routed_experts: int = 0
+    dspark_num_experts_per_tok: int = 0
 
     def __post_init__(self) -> None:
         # mlx-lm's refusal of Engram layers does not apply: they are served here.
@@ -63,6 +86,10 @@ class ModelArgs(text.ModelArgs):
         bad = [i for i in self.engram_layer_ids if not 0 <= i < self.num_hidden_layers]
         if bad:
             raise ValueError(f"engram_layer_ids {bad} are not layers of this model")
+        self.dspark_target_layer_ids = tuple(self.dspark_target_layer_ids or ())
+        taps = [i for i in self.dspark_target_layer_ids if not 0 <= i < self.num_hidden_layers]
+        if taps:
+            raise ValueError(f"dspark_target_layer_ids {taps} are not layers of this model")
 
     def engram_spec(self) -> EngramSpec | None:
         if not self.engram_layer_ids:
@@ -79,25 +106,10 @@ class ModelArgs(text.ModelArgs):
         )
 
 
-class EngramCache(text.LayerCache):
-    """The first layer's cache, which also keeps the sequence's last mapped token ids."""
-
-    def __init__(self, window_size: int) -> None:
-        super().__init__(window_size)
-        self.engram_history: mx.array | None = None
-
-    @property
-    def state(self) -> tuple[mx.array | None, ...]:
-        return (*super().state, self.engram_history)
-
-    @property
-    def nbytes(self) -> int:
-        extra = 0 if self.engram_history is None else self.engram_history.nbytes
-        return int(super().nbytes) + extra
-
-
 class Model(text.Model):
     """``mlx_lm.models.deepseek_v41.Model`` with Engram layers (see the module docstring)."""
+
+    args: ModelArgs
 
     def __init__(self, config: ModelArgs) -> None:
         super().__init__(config)
@@ -108,6 +120,10 @@ class Model(text.Model):
                 self.model.layers[layer_id].engram = Engram(
                     self.spec, layer_id, config.hidden_size, config.hc_mult, config.rms_norm_eps
                 )
+        for layer_id, layer in enumerate(self.model.layers):
+            if getattr(layer.self_attn, "compressor", None) is not None:
+                # Reports its raw rows, so a speculative cache can reopen a group.
+                layer.self_attn.compressor = Compressor(config, layer_id)
 
     @property
     def engram_layer_ids(self) -> tuple[int, ...]:
@@ -127,22 +143,34 @@ class Model(text.Model):
         token_map = data["token_map"] if isinstance(data, dict) else data
         self.hasher = EngramHasher(self.spec, [int(t) for t in token_map])
 
-    def make_cache(self) -> list[text.LayerCache]:
+    def make_cache(self, max_rollback: int = 0) -> list[text.LayerCache]:
+        """One cache per layer (``cache.LayerCache``); ``max_rollback`` > 0 lets them
+        drop their last positions."""
         window = self.args.sliding_window
-        return [EngramCache(window)] + [text.LayerCache(window) for _ in self.layers[1:]]
+        return [
+            LayerCache(window, max_rollback, _own_ratio(layer.self_attn)) for layer in self.layers
+        ]
 
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
-        if self.spec is None:
-            logits: mx.array = super().__call__(inputs, cache)
-            return logits
-        logits = self.lm_head(self._text_forward(inputs, cache or self.make_cache()))
-        return logits
+    def __call__(self, inputs: mx.array, cache: Sequence[Any] | None = None) -> mx.array:
+        return self.head_from_streams(self.forward_hidden(inputs, cache))
 
-    def _text_forward(self, inputs: mx.array, cache: list[Any]) -> mx.array:
-        """mlx-lm's ``TextModel.__call__`` (one rank), with each Engram layer's lookup
-        added to the streams before the layer."""
-        if self.hasher is None:
-            raise ValueError("the Engram token map was not set (set_token_map)")
+    def forward_hidden(
+        self,
+        inputs: mx.array,
+        cache: Sequence[Any] | None = None,
+        queue_every: int = 0,
+        taps: Sequence[int] = (),
+        tapped: list[mx.array] | None = None,
+    ) -> mx.array:
+        """Hidden states [B, S, D] before the final norm: mlx-lm's ``TextModel.__call__``
+        (one rank), with each Engram layer's lookup added to the streams before the
+        layer. Without ``cache`` a throw-away one is used.
+
+        ``tapped``, when given, receives for each layer in ``taps`` (0-based, in that
+        order) the mean over the streams entering it, before its Engram lookup: what
+        V4.1's DSpark head reads. ``queue_every`` > 0 queues the streams for the
+        device after every that many layers (as DeepSeek-V4's ``forward_hidden``)."""
+        cache = list(cache) if cache is not None else self.make_cache()
         tm, args = self.model, self.args
         h = tm.embed_tokens(inputs)
         batch, length, _ = h.shape
@@ -155,11 +183,15 @@ class Model(text.Model):
         streams = mx.broadcast_to(h[:, :, None, :], (batch, length, args.hc_mult, args.hidden_size))
         pre_mix = mx.zeros((batch, length, args.hc_mult), dtype=mx.float32)
         pre_mix[..., 0] = 1.0
-        hashes, cache[0].engram_history = self.hasher(inputs, cache[0].engram_history)
+        hashes = self._hashes(inputs, cache[0])
         shared: dict[str, mx.array | None] = {}
-        for layer, layer_cache in zip(self.layers, cache, strict=True):
+        found: dict[int, mx.array] = {}
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
+            if tapped is not None and i in taps:
+                found[i] = streams.mean(axis=2)
             engram = getattr(layer, "engram", None)
             if engram is not None:
+                assert hashes is not None
                 streams = engram(streams, hashes[:, :, engram.slot])
             streams, pre_mix = layer(
                 streams,
@@ -169,14 +201,50 @@ class Model(text.Model):
                 cache=layer_cache,
                 shared=shared,
             )
-        out: mx.array = tm.norm(text._collapse(streams, pre_mix))
+            if queue_every and (i + 1) % queue_every == 0 and i + 1 < len(self.layers):
+                mx.async_eval(streams, pre_mix)  # type: ignore[no-untyped-call]
+        if tapped is not None:
+            tapped.extend(found[i] for i in taps)
+        out: mx.array = text._collapse(streams, pre_mix)
         return out
 
+    def _hashes(self, inputs: mx.array, first: Any) -> mx.array | None:
+        """The Engram hash ids of ``inputs`` (None without Engram layers); the first
+        layer's cache keeps the mapped ids the next step's n-grams reach back to."""
+        if self.spec is None:
+            return None
+        if self.hasher is None:
+            raise ValueError("the Engram token map was not set (set_token_map)")
+        if not isinstance(first, LayerCache):
+            raise TypeError("V4.1's Engram layers need the model's own caches (make_cache)")
+        history = first.remember_ids(self.hasher.token_map[inputs], self.spec.max_ngram - 1)
+        hashes, _ = self.hasher(inputs, history)
+        return hashes
+
+    def head_from_streams(self, hidden: mx.array) -> mx.array:
+        """Logits from ``forward_hidden``'s hidden states: the final norm, ``lm_head``."""
+        logits: mx.array = self.lm_head(self.model.norm(hidden))
+        return logits
+
+    def output_head(self, hidden: mx.array) -> mx.array:
+        """Logits of DSpark draft hidden states (``V41DSparkHead.hidden``: before the
+        draft's final norm, where its confidence head reads them): that norm, then the
+        shared ``lm_head``."""
+        head = head_of(self)
+        if head is None:
+            raise ValueError("the model has no DSpark head")
+        logits: mx.array = self.lm_head(head.norm(hidden))
+        return logits
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """mlx-lm's renaming for the text model; Engram tensors to ``model.layers.N.engram``.
+        """mlx-lm's renaming for the text model; Engram tensors to ``model.layers.N.engram``;
+        a DSpark head's to ``dspark.*`` (its module is created here, because only the
+        checkpoint tells its stages and ranks).
 
         The parts in ``NOT_SERVED`` are dropped (the loader has named them already).
         """
+        weights, draft = split_draft(weights)
+        head = attach_head(self, draft)
         engram: dict[str, mx.array] = {}
         rest: dict[str, mx.array] = {}
         for key, value in weights.items():
@@ -191,8 +259,8 @@ class Model(text.Model):
                 )
             engram[f"model.layers.{layer}.engram.{leaf}"] = value
         if any(key.startswith("model.") for key in rest):  # already MLX names
-            return {**rest, **engram}
-        return {**super().sanitize(rest), **engram}
+            return {**rest, **engram, **head}
+        return {**super().sanitize(rest), **engram, **head}
 
     @property
     def cast_predicate(self) -> Any:
@@ -202,3 +270,8 @@ class Model(text.Model):
             return inner(key) and not key.endswith(("q_weight", "k_weight"))
 
         return predicate
+
+
+def _own_ratio(attn: Any) -> int:
+    """The ratio of the layer's own compressor (0: it has none; it may read another's)."""
+    return int(attn.ratio) if getattr(attn, "compressor", None) is not None else 0

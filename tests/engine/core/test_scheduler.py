@@ -133,3 +133,33 @@ def test_speculative_depth_follows_the_batch_size() -> None:
     decoding("c", 3)
     step = scheduler.next_step()
     assert step is not None and (step.kind, step.request_ids) == ("decode", ("a", "b", "c"))
+
+
+def test_short_prompts_arriving_together_share_one_chunk_budget(llama_model: Module) -> None:
+    """Five 21-token prompts arrive while a request decodes (chunk budget 64): three
+    prefills (60 tokens) run back to back, then the decoding requests' turn, then the
+    other two; never more than a chunk's tokens between two decode steps, and the
+    newcomers' first tokens ride along a decode step, not steps of their own."""
+    steps: list[Step] = []
+    engine = Engine(
+        PlainAdapter(llama_model),
+        EngineConfig(prefill_step=64, max_running=8),
+        before_step=steps.append,
+    )
+    engine.submit(GenerationRequest("decoder", GenerationParams((1, 2, 3), 60)))
+    for _ in range(3):
+        engine.run_once()
+    steps.clear()
+    for i in range(5):
+        prompt = tuple((i * 7 + j) % 80 + 10 for j in range(21))
+        engine.submit(GenerationRequest(f"n{i}", GenerationParams(prompt, 8)))
+    for _ in range(1000):
+        if not engine.run_once():
+            break
+    kinds = "".join("p" if s.kind == "prefill" else "d" for s in steps)
+    assert kinds.startswith("pppd"), kinds
+    prefills_between = [len(run) for run in kinds.split("d") if run]
+    assert prefills_between == [3, 2], kinds
+    assert all(s.num_tokens == 20 for s in steps if s.kind == "prefill")
+    solo = [s.request_ids for s in steps if s.kind == "decode" and len(s.request_ids) == 1]
+    assert all(ids == ("decoder",) for ids in solo), solo

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
+from mlxserve.engine.process.front_link import MAX_LINE_BYTES
 from mlxserve.engine.process.loop import (
     EXIT_ENGINE_CRASHED,
     MAX_SOCKET_PATH_BYTES,
     EngineLoop,
     prepare_socket_path,
 )
-from mlxserve.engine.process.socket_end import MAX_LINE_BYTES
 from mlxserve.errors import UsageError
 from tests.engine.conftest_process import CONTEXT_LENGTH, EngineProcess, build_tiny_model
 

@@ -1,11 +1,20 @@
 """The engine's side of the socket sends what waits together: one `tokens` line for
-the tokens of several steps, in order, and nothing after a finish."""
+the tokens of several steps, in order, and nothing after a finish; the engine loop
+sends each step's tokens itself and never waits on a front that does not read."""
 
-from mlxserve.channel.messages import Tokens, decode_engine, encode
-from mlxserve.channel.request import TokenLogprob
+import socket
+import threading
+import time
+
+from mlxserve.channel.messages import Finish, Generate, Hello, Tokens, decode_engine, encode
+from mlxserve.channel.request import GenerationParams, TokenLogprob
 from mlxserve.engine.core.request import FinishEvent, TokensEvent, Usage
-from mlxserve.engine.core.stepper import RequestStream
-from mlxserve.engine.process.socket_end import coalesce, to_tokens
+from mlxserve.engine.core.stepper import Engine, EngineConfig, RequestStream
+from mlxserve.engine.process.front_link import FrontLink
+from mlxserve.engine.process.loop import EngineLoop
+from mlxserve.engine.process.socket_end import FrontDesk, coalesce, to_tokens
+from mlxserve.engine.runner.adapter import PlainAdapter
+from tests.engine.conftest import tiny_llama
 
 USAGE = Usage(prompt_tokens=3, completion_tokens=4)
 
@@ -39,3 +48,57 @@ def test_a_stream_hands_over_what_waits_without_blocking() -> None:
     stream.put(TokensEvent("r", (2,)))
     assert stream.ready() == [TokensEvent("r", (1,)), TokensEvent("r", (2,))]
     assert stream.ready() == []
+
+
+def test_the_engine_goes_on_while_the_front_reads_nothing() -> None:
+    """After each step the engine loop sends what it emitted itself, never waiting on
+    the front: with the front reading nothing (small socket buffers, full at once),
+    both requests still run to their end; then every token arrives, in order, each
+    request's finish last."""
+    engine = Engine(PlainAdapter(tiny_llama()), EngineConfig(max_running=4))
+    loop = EngineLoop(engine)
+    loop.start()
+    hello = Hello(
+        model="tiny",
+        pid=1,
+        context_length=4096,
+        eos_token_ids=[],
+        speculative_depth=0,
+        speculative_auto=False,
+        plan={},
+    )
+    desk = FrontDesk(engine, hello, vocab_size=97)
+    ours, front = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    front.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    serving = threading.Thread(target=desk.serve, args=(FrontLink(ours),), daemon=True)
+    serving.start()
+    try:
+        tokens = 300
+        for rid in ("a", "b"):
+            params = GenerationParams(tuple(range(3, 20)), tokens)
+            front.sendall(encode(Generate(id=rid, params=params)))
+        deadline = time.monotonic() + 60
+        while engine.progress == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while (engine.running or engine.queue_depth) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.running == 0 and engine.queue_depth == 0  # done, nothing read
+        front.settimeout(30)
+        reader = front.makefile("rb")
+        assert isinstance(decode_engine(reader.readline()), Hello)
+        got: dict[str, list[int]] = {"a": [], "b": []}
+        finished: set[str] = set()
+        while len(finished) < 2:
+            message = decode_engine(reader.readline())
+            if isinstance(message, Tokens):
+                assert message.id not in finished
+                got[message.id] += message.token_ids
+            elif isinstance(message, Finish):
+                assert message.completion_tokens == tokens
+                finished.add(message.id)
+        assert len(got["a"]) == len(got["b"]) == tokens
+    finally:
+        desk.stopping.set()
+        front.close()
+        loop.stop(5.0)

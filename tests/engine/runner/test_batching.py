@@ -199,3 +199,68 @@ def test_a_long_context_does_not_pad_a_batch_of_short_ones(llama_model: Module) 
     assert not batch.fits(_prefilled(adapter, 3000))
     logits = batch.step(mx.array([1, 2]))
     assert logits.shape == (2, 97)
+
+
+def test_a_lone_request_decodes_on_its_own_caches_until_another_joins(
+    llama_model: Module,
+) -> None:
+    """One plain request alone takes no batch (a batch of one costs a small model about
+    a tenth more per step); with a second one decoding beside it both join a batch, and
+    each still gets its own greedy tokens."""
+    hook = BatchSizes()
+    engine = engine_with(llama_model, hook, max_running=4)
+    results = run(engine, GenerationRequest("a", GenerationParams(PROMPTS["a"], 12)))
+    assert results["a"][0] == reference_greedy(llama_model, PROMPTS["a"], 12)
+    assert hook.sizes == []  # no step ran with a batch
+    hook.steps.clear()
+    results = run(
+        engine,
+        GenerationRequest("a", GenerationParams(PROMPTS["a"], 12)),
+        GenerationRequest("b", GenerationParams(PROMPTS["b"], 12)),
+    )
+    for rid in ("a", "b"):
+        assert results[rid][0] == reference_greedy(llama_model, PROMPTS[rid], 12), rid
+    assert max(hook.sizes) == 2
+
+
+def test_sampled_rows_at_temperature_one_draw_as_alone(llama_model: Module) -> None:
+    """Rows sampled together (`sample_rows`: one graph for the batch) draw the tokens
+    each draws alone with its seed, beside greedy and top-p rows."""
+    seeded = SamplingParams(temperature=1.0, seed=21)
+    alone = run(
+        Engine(PlainAdapter(llama_model), EngineConfig(max_running=1)),
+        GenerationRequest("s", GenerationParams(PROMPTS["a"], 16, seeded)),
+    )["s"][0]
+    crowd = run(
+        Engine(PlainAdapter(llama_model), EngineConfig(max_running=4)),
+        GenerationRequest("s", GenerationParams(PROMPTS["a"], 16, seeded)),
+        GenerationRequest("x", GenerationParams(PROMPTS["b"], 16, SamplingParams(0.7, 1.0, 4))),
+        GenerationRequest("y", GenerationParams(PROMPTS["c"], 16)),
+        GenerationRequest("z", GenerationParams(PROMPTS["d"], 16, SamplingParams(1.0, 0.9, 5))),
+    )["s"][0]
+    assert crowd == alone
+
+
+def test_a_request_starting_beside_others_takes_its_first_token_from_their_step(
+    llama_model: Module,
+) -> None:
+    """No forward of its own for a newcomer's first token while others decode: it joins
+    their batch with its last prompt token, and gets the tokens it gets alone."""
+    hook = BatchSizes()
+    engine = engine_with(llama_model, hook, max_running=4)
+    first = engine.submit(GenerationRequest("a", GenerationParams(PROMPTS["a"], 30)))
+    for _ in range(4):
+        engine.run_once()
+    later = [
+        engine.submit(GenerationRequest(rid, GenerationParams(PROMPTS[rid], 12)))
+        for rid in ("b", "d")
+    ]
+    for _ in range(1000):
+        if not engine.run_once():
+            break
+    solo = [step.request_ids for step, _ in hook.steps if step.kind == "decode"]
+    assert ("b",) not in solo and ("d",) not in solo
+    assert any({"a", "b"} <= set(ids) for ids in solo)
+    assert collect(first)[0] == reference_greedy(llama_model, PROMPTS["a"], 30)
+    for rid, stream in zip(("b", "d"), later, strict=True):
+        assert collect(stream)[0] == reference_greedy(llama_model, PROMPTS[rid], 12), rid

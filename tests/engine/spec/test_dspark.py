@@ -1,6 +1,8 @@
 """DSpark rounds through the engine: greedy output is plain decoding's (alone and three
-at once), a seed gives one answer at every depth, sampled output keeps the target
-distribution, and the confidence head decides how many drafts are verified."""
+at once, planned or deciding on the round's confidences, under a chooser's penalties),
+a seed gives one answer at every depth, sampled output keeps the target distribution,
+and the confidence head decides how many drafts are verified: in the round, or planned
+from its running confidences where the calibration says a planned round pays."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.sample.sampling import KeyStream
 from mlxserve.engine.spec.costs import RoundCosts
 from mlxserve.engine.spec.depth import DepthPicker
-from mlxserve.engine.spec.dspark import DSparkAdapter
+from mlxserve.engine.spec.dspark import DSparkAdapter, DSparkState
 from tests.engine.drive import run
 from tests.engine.spec.dspark_models import tiny_dspark
 
@@ -52,6 +54,19 @@ class Oracle(DSparkAdapter):
         return mx.array(token, dtype=mx.int32) + mx.argmax(logits).astype(mx.int32) * 0
 
 
+class Planning(DSparkAdapter):
+    """Keeps each round's plan (None: the round decided on its own confidences)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__(model)
+        self.plans: list[int | None] = []
+
+    def _plan(self, state: DSparkState, depth: int) -> int | None:
+        plan = super()._plan(state, depth)
+        self.plans.append(plan)
+        return plan
+
+
 @pytest.fixture(scope="module")
 def model() -> Any:
     return tiny_dspark()
@@ -85,12 +100,25 @@ def test_greedy_equals_plain_decoding_alone_and_three_at_once(model: Any, depth:
         assert speculative is not None and speculative["depth"] == depth
 
 
-def test_a_seed_gives_one_answer_at_every_depth(model: Any) -> None:
+#: A calibration where a planned round (one host read) costs less than one that reads
+#: its confidences first, and verifying more rows costs little (a GPU's shape).
+PLANNED_PAYS = RoundCosts(
+    plain=1.0,
+    verify={m: 1.5 + 0.02 * m for m in range(5)},
+    draft=0.1,
+    rounds={k: 1.2 + 0.02 * k for k in range(1, 5)},
+)
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_a_seed_gives_one_answer_at_every_depth(model: Any, planned: bool) -> None:
+    """Planned rounds verify every draft; the others decide on their confidences (no
+    calibration: while their running product stays above one half)."""
     sampling = SamplingParams(temperature=0.8, seed=5)
     answers = []
     for depth in (0, 1, 3):
         adapter = DSparkAdapter(model)
-        adapter.verify_all = True
+        adapter.verify_all = planned
         engine = Engine(adapter, EngineConfig(prefill_step=16, speculative_depth=depth))
         request = GenerationRequest("s", GenerationParams(PROMPT, 20, sampling))
         answers.append(run(engine, request)["s"][0])
@@ -115,6 +143,90 @@ def test_confidence_decides_how_many_drafts_are_verified(model: Any) -> None:
     adapter.follow(picker)
     adapter._verified(low, 4)
     assert picker.prior()[0] == pytest.approx(0.3)
+
+
+def test_a_plan_is_made_where_a_planned_round_pays(model: Any) -> None:
+    adapter = DSparkAdapter(model)
+    state = adapter.new_state(max_rollback=5)
+    # No calibration, or no confidences seen yet: the round reads its own first.
+    state.profile = [0.9, 0.9, 0.9, 0.9]
+    assert adapter._plan(state, 4) is None
+    adapter.costs = PLANNED_PAYS
+    assert adapter._plan(DSparkState([]), 4) is None
+    # Planned rounds cheaper than reading first, rows cheap: all four verified.
+    assert adapter._plan(state, 4) == 4
+    # Confident only of the first draft, rows dear: fewer.
+    dear = RoundCosts(
+        plain=1.0,
+        verify={m: 9.0 for m in range(5)},
+        rounds={k: 1.0 + 0.5 * k for k in range(1, 5)},
+    )
+    adapter.costs = dear
+    state.profile = [0.9, 0.2, 0.2, 0.2]
+    assert adapter._plan(state, 4) == 1
+    # A round that reads its confidences first is the cheaper kind: no plan.
+    adapter.costs = RoundCosts(
+        plain=1.0,
+        verify={m: 1.0 + 0.02 * m for m in range(5)},
+        rounds={k: 2.0 for k in range(1, 5)},
+    )
+    state.profile = [0.9, 0.9, 0.9, 0.9]
+    assert adapter._plan(state, 4) is None
+    # An engine on stored costs (planned rounds only, no calibration here) plans on them.
+    stored = DSparkAdapter(model)
+    rounds = {k: 1.2 + 0.02 * k for k in range(1, 5)}
+    stored.follow(DepthPicker(max_depth=4, calibrated=RoundCosts(plain=1.0, rounds=rounds)))
+    assert stored._plan(state, 4) == 4
+
+
+def test_planned_rounds_keep_greedy_output_and_learn_the_confidences(model: Any) -> None:
+    """Planned rounds read the confidences back with the verdict: the request's running
+    ones (and the automatic depth's) follow them, and the next request starts from them."""
+    expected = plain(model, {"a": PROMPT}, 24)["a"]
+    adapter = Planning(model)
+    adapter.costs = PLANNED_PAYS
+    picker = DepthPicker(max_depth=4, calibrated=PLANNED_PAYS)
+    adapter.follow(picker)
+    engine = Engine(adapter, EngineConfig(prefill_step=16, speculative_depth=4))
+    tokens, finish = run(engine, GenerationRequest("a", GenerationParams(PROMPT, 24)))["a"]
+    assert tokens == expected
+    speculative = finish.speculative
+    assert speculative is not None and speculative["drafted"] > 0
+    # The first round had no confidences to plan on; the rest were planned.
+    assert len(adapter.plans) > 2 and adapter.plans[0] is None
+    assert all(plan is not None for plan in adapter.plans[1:])
+    assert adapter.profile is not None and len(adapter.profile) == 4
+    assert all(0.0 < c < 1.0 for c in adapter.profile)
+    assert picker.confidence(3) is not None
+    assert adapter._plan(DSparkState([]), 4) == 4  # a new request plans from the start
+
+
+@pytest.mark.parametrize("planned", [True, False])
+def test_a_penalised_request_at_depth_k_equals_depth_0(model: Any, planned: bool) -> None:
+    """A request with a `TokenChooser` (penalties, logprobs) drafts and verifies under its
+    transforms (`speculate_chosen`), planned or deciding on its confidences."""
+    sampling = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, logprobs=2)
+    request = GenerationRequest("p", GenerationParams(PROMPT, 24, sampling))
+    expected = run(
+        Engine(DSparkAdapter(model), EngineConfig(prefill_step=16, speculative_depth=0)), request
+    )["p"][0]
+    adapter = DSparkAdapter(model)
+    adapter.costs = PLANNED_PAYS if planned else None
+    adapter.profile = [0.9] * 4 if planned else None
+    engine = Engine(adapter, EngineConfig(prefill_step=16, speculative_depth=4))
+    tokens, finish = run(engine, request)["p"]
+    assert tokens == expected
+    assert finish.speculative is not None and finish.speculative["drafted"] > 0
+
+
+def test_the_calibration_times_both_kinds_of_round(model: Any) -> None:
+    adapter = DSparkAdapter(model)
+    costs = adapter.measure_costs()
+    assert adapter.costs is not None
+    assert sorted(adapter.costs.verify) == list(range(5))  # read first, verifying 0 .. 4
+    assert sorted(adapter.costs.rounds) == sorted(costs.rounds) == [1, 2, 3, 4]  # planned
+    assert all(v > 0 for v in (*adapter.costs.verify.values(), *costs.rounds.values()))
+    assert adapter.profile is None  # the probes' confidences are not a request's
 
 
 def test_speculative_sampling_keeps_the_distribution() -> None:

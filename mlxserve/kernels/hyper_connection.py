@@ -1,0 +1,321 @@
+"""A DeepSeek hyper-connection's entry as one CUDA kernel, and the exit before it.
+
+Entering a block (``HyperConnection.enter``) and normalising its input is, as MLX
+ops, the RMSNorm of the flattened streams, the mix's matmul, the element-wise
+strings of ``pre``, ``post`` and the comb, the Sinkhorn and the block's RMSNorm:
+six kernels at the least, two of them a matmul and a Sinkhorn of a handful of
+values each. On a GPU a small decode step is bound by such launches (issue #31).
+Every one of them works on one row of the streams at a time (a row: one token of
+one sequence), so one thread block per row does them all:
+
+1. the row's stream values (with ``leave_enter``: first the previous block's exit,
+   ``post_i * out + sum_j comb_ji * stream_j``, written out as the new streams);
+2. their sum of squares and their dot products with each of the mix's columns,
+   reduced over the block;
+3. on one thread, the mix (the RMSNorm's scale applied to the dot products), its
+   scale and base, ``pre`` and ``post`` (sigmoids), the comb's softmax and the
+   Sinkhorn iterations, in the order of the ops;
+4. the collapse ``sum_i pre_i * stream_i`` in the streams' dtype, its sum of
+   squares reduced over the block, and the block's RMSNorm with its weight.
+
+Only the order of float32 sums differs from the ops (the dot products, the sums of
+squares), and the RMSNorm's scale applied after the dot products instead of before.
+The model checks the kernel once per process and shape against the ops
+(``hyper_connections.cuda_agrees``) and uses it only where it agrees; nothing here
+is built on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import mlx.core as mx
+
+from mlxserve.hardware.device import on_cuda
+
+#: Threads of the block that handles one row.
+THREADS = 256
+
+_REDUCE = """
+    // Sum ``vals[0 .. COUNT)`` over the block; the totals end up in ``vals`` on
+    // thread 0 (``red``: [32][COUNT] floats of shared memory).
+    for (int c = 0; c < COUNT; ++c) {
+        float v = vals[c];
+        for (int o = 16; o > 0; o >>= 1) {
+            v += __shfl_down_sync(0xffffffff, v, o);
+        }
+        vals[c] = v;
+    }
+    __syncthreads();
+    if ((tid & 31) == 0) {
+        for (int c = 0; c < COUNT; ++c) {
+            red[tid >> 5][c] = vals[c];
+        }
+    }
+    __syncthreads();
+    if (tid == 0) {
+        for (int c = 0; c < COUNT; ++c) {
+            float v = 0.0f;
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) {
+                v += red[w][c];
+            }
+            vals[c] = v;
+        }
+    }
+"""
+
+_HEADER = (
+    """
+template <int COUNT>
+__device__ void block_sum(float* vals, float (*red)[COUNT], int tid) {
+"""
+    + _REDUCE
+    + """
+}
+
+__device__ float mlxserve_sigmoid(float x) {
+    return 1.0f / (1.0f + expf(-x));
+}
+"""
+)
+
+# The body of both kernels; {streams} is the code that loads (and, leaving, first
+# computes and writes) a row's stream values sv[HC] at channel d.
+_BODY = """
+    constexpr int M = (2 + HC) * HC;
+    constexpr int K = HC * D;
+    __shared__ float red[32][M + 1];
+    __shared__ float pre_s[HC];
+    __shared__ float scal[2];
+    const int row = blockIdx.x;
+    const int tid = threadIdx.x;
+    const T* s_in = streams + (size_t)row * K;
+
+    // 1-2: the stream values, their sum of squares and dot products with fn.
+    float acc[M + 1];
+    for (int m = 0; m <= M; ++m) {
+        acc[m] = 0.0f;
+    }
+    for (int d = tid; d < D; d += blockDim.x) {
+        float sv[HC];
+        {streams}
+        for (int i = 0; i < HC; ++i) {
+            const int k = i * D + d;
+            acc[0] += sv[i] * sv[i];
+            for (int m = 0; m < M; ++m) {
+                acc[1 + m] += sv[i] * fn[(size_t)m * K + k];
+            }
+        }
+    }
+    block_sum<M + 1>(acc, red, tid);
+
+    // 3: the mix, pre, post and the comb with its Sinkhorn, on one thread.
+    if (tid == 0) {
+        const float norm_eps = consts[0];
+        const float hc_eps = consts[1];
+        const float r = rsqrtf(acc[0] / (float)K + norm_eps);
+        float mix[M];
+        for (int m = 0; m < M; ++m) {
+            const float s = scale[m < HC ? 0 : (m < 2 * HC ? 1 : 2)];
+            mix[m] = (acc[1 + m] * r) * s + base[m];
+        }
+        for (int i = 0; i < HC; ++i) {
+            pre_s[i] = mlxserve_sigmoid(mix[i]) + hc_eps;
+            post[(size_t)row * HC + i] = 2.0f * mlxserve_sigmoid(mix[HC + i]);
+        }
+        float c[HC][HC];
+        for (int i = 0; i < HC; ++i) {
+            float top = mix[2 * HC + i * HC];
+            for (int j = 1; j < HC; ++j) {
+                top = fmaxf(top, mix[2 * HC + i * HC + j]);
+            }
+            float total = 0.0f;
+            for (int j = 0; j < HC; ++j) {
+                c[i][j] = expf(mix[2 * HC + i * HC + j] - top);
+                total += c[i][j];
+            }
+            for (int j = 0; j < HC; ++j) {
+                c[i][j] = c[i][j] / total + hc_eps;
+            }
+        }
+        for (int it = 0; it < ITERS; ++it) {
+            if (it > 0) {
+                for (int i = 0; i < HC; ++i) {
+                    float s = 0.0f;
+                    for (int j = 0; j < HC; ++j) {
+                        s += c[i][j];
+                    }
+                    const float den = s + hc_eps;
+                    for (int j = 0; j < HC; ++j) {
+                        c[i][j] = c[i][j] / den;
+                    }
+                }
+            }
+            for (int j = 0; j < HC; ++j) {
+                float s = 0.0f;
+                for (int i = 0; i < HC; ++i) {
+                    s += c[i][j];
+                }
+                const float den = s + hc_eps;
+                for (int i = 0; i < HC; ++i) {
+                    c[i][j] = c[i][j] / den;
+                }
+            }
+        }
+        for (int i = 0; i < HC; ++i) {
+            for (int j = 0; j < HC; ++j) {
+                comb[(size_t)row * HC * HC + i * HC + j] = c[i][j];
+            }
+        }
+    }
+    __syncthreads();
+
+    // 4: the collapse in the streams' dtype, then the block's RMSNorm.
+    const T* s_now = {now} + (size_t)row * K;
+    float sq[1] = {0.0f};
+    for (int d = tid; d < D; d += blockDim.x) {
+        float x = pre_s[0] * (float)s_now[d];
+        for (int i = 1; i < HC; ++i) {
+            x = x + pre_s[i] * (float)s_now[i * D + d];
+        }
+        const float xo = (float)(Y)(T)x;
+        sq[0] += xo * xo;
+    }
+    block_sum<1>(sq, (float (*)[1])red, tid);
+    if (tid == 0) {
+        scal[0] = rsqrtf(sq[0] / (float)D + consts[2]);
+    }
+    __syncthreads();
+    const float normalizer = scal[0];
+    for (int d = tid; d < D; d += blockDim.x) {
+        float x = pre_s[0] * (float)s_now[d];
+        for (int i = 1; i < HC; ++i) {
+            x = x + pre_s[i] * (float)s_now[i * D + d];
+        }
+        const float xo = (float)(Y)(T)x;
+        const Y normed = (Y)(xo * normalizer);
+        y[(size_t)row * D + d] = (Y)((float)(Y)weight[d] * (float)normed);
+    }
+"""
+
+_ENTER_STREAMS = """
+        for (int i = 0; i < HC; ++i) {
+            sv[i] = (float)s_in[i * D + d];
+        }
+"""
+
+_LEAVE_STREAMS = """
+        const float b = (float)block_out[(size_t)row * D + d];
+        for (int i = 0; i < HC; ++i) {
+            float v = post_in[(size_t)row * HC + i] * b;
+            for (int j = 0; j < HC; ++j) {
+                v = v + comb_in[(size_t)row * HC * HC + j * HC + i] * (float)s_in[j * D + d];
+            }
+            const T t = (T)v;
+            new_streams[(size_t)row * K + i * D + d] = t;
+            sv[i] = (float)t;
+        }
+"""
+
+_PARAMETERS = ["fn", "scale", "base", "weight", "consts"]
+
+
+def available() -> bool:
+    """Whether the kernels can run here: the default device is a CUDA GPU."""
+    return on_cuda()
+
+
+@cache
+def _kernel(leave: bool) -> Any:
+    """Built on first use: nothing is compiled at import, nor on a machine without CUDA."""
+    if leave:
+        inputs = ["block_out", "streams", "post_in", "comb_in", *_PARAMETERS]
+        outputs = ["new_streams", "y", "post", "comb"]
+        body = _BODY.replace("{streams}", _LEAVE_STREAMS).replace("{now}", "new_streams")
+    else:
+        inputs = ["streams", *_PARAMETERS]
+        outputs = ["y", "post", "comb"]
+        body = _BODY.replace("{streams}", _ENTER_STREAMS).replace("{now}", "streams")
+    return mx.fast.cuda_kernel(
+        name="mlxserve_hc_leave_enter" if leave else "mlxserve_hc_enter",
+        input_names=inputs,
+        output_names=outputs,
+        source=body,
+        header=_HEADER,
+    )
+
+
+def _launch(
+    leave: bool,
+    inputs: list[mx.array],
+    streams: mx.array,
+    out_dtype: mx.Dtype,
+    iters: int,
+) -> list[mx.array]:
+    batch, length, hc, dim = streams.shape
+    rows = batch * length
+    shapes: list[tuple[int, ...]] = [
+        (batch, length, dim),
+        (batch, length, hc),
+        (batch, length, hc, hc),
+    ]
+    dtypes = [out_dtype, mx.float32, mx.float32]
+    if leave:
+        shapes.insert(0, tuple(streams.shape))
+        dtypes.insert(0, streams.dtype)
+    outputs: list[mx.array] = _kernel(leave)(
+        inputs=inputs,
+        template=[
+            ("T", streams.dtype),
+            ("Y", out_dtype),
+            ("HC", hc),
+            ("D", dim),
+            ("ITERS", iters),
+        ],
+        grid=(rows * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=shapes,
+        output_dtypes=dtypes,
+    )
+    return outputs
+
+
+def enter(
+    streams: mx.array,
+    mix: tuple[mx.array, mx.array, mx.array],
+    weight: mx.array,
+    consts: mx.array,
+    out_dtype: mx.Dtype,
+    iters: int,
+) -> tuple[mx.array, mx.array, mx.array]:
+    """(the block's normalised input [B, S, D], post [B, S, hc], comb [B, S, hc, hc])
+    from the streams [B, S, hc, D]; ``mix`` the hyper-connection's (fn, scale, base),
+    ``weight`` the block norm's, ``consts`` float32 [the flat RMSNorm's eps, hc_eps,
+    the block norm's eps], ``out_dtype`` the block norm's output dtype."""
+    fn, scale, base = mix
+    inputs = [streams, fn, scale, base, weight, consts]
+    y, post, comb = _launch(False, inputs, streams, out_dtype, iters)
+    return y, post, comb
+
+
+def leave_enter(
+    block_out: mx.array,
+    streams: mx.array,
+    post: mx.array,
+    comb: mx.array,
+    mix: tuple[mx.array, mx.array, mx.array],
+    weight: mx.array,
+    consts: mx.array,
+    out_dtype: mx.Dtype,
+    iters: int,
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A block's exit (``post``, ``comb`` its entry's) and the next one's `enter`:
+    (the new streams, the next block's normalised input, its post, its comb)."""
+    fn, scale, base = mix
+    inputs = [block_out, streams, post, comb, fn, scale, base, weight, consts]
+    new, y, post2, comb2 = _launch(True, inputs, streams, out_dtype, iters)
+    return new, y, post2, comb2
+
+
+__all__ = ["THREADS", "available", "enter", "leave_enter"]
