@@ -81,12 +81,8 @@ def prefill_attention(
     """
     batch, heads, length, dim = q.shape
     block = window
-    # Queries [B, S_pad, H, D], scaled in their dtype as the SDPA fallback does.
-    scaled = (q * mx.array(scale, q.dtype)).swapaxes(1, 2)
     blocks = -(-length // block)
     padded = blocks * block
-    if padded > length:
-        scaled = mx.pad(scaled, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
     # Window rows padded so query i's own row sits at i + window - 1 and every block
     # b has the rows b * block .. (b + 2) * block - 1.
     left = window - 1 - previous
@@ -117,12 +113,17 @@ def prefill_attention(
     group = group_size(length, block, per_query, budget)
     lowest = mx.array(mx.finfo(q.dtype).min, q.dtype)
     sink_column = sinks.astype(q.dtype)[None, None, :, None]
+    factor = mx.array(scale, q.dtype)
 
     outs = []
     for g0 in range(0, padded, group):
         g1 = min(g0 + group, padded)
         n, b0, b1 = g1 - g0, g0 // block, g1 // block
-        qg = scaled[:, g0:g1]  # [B, n, H, D]
+        # The group's queries [B, n, H, D], scaled in their dtype as the SDPA fallback
+        # does, the last group padded to whole blocks.
+        qg = (q[:, :, g0 : min(g1, length)] * factor).swapaxes(1, 2)
+        if g1 > length:
+            qg = mx.pad(qg, [(0, 0), (0, g1 - length), (0, 0), (0, 0)])
         keys_g = pairs[:, b0:b1]  # [B, nb, 2 * block, D]
         q_blocks = qg.reshape(batch, b1 - b0, block * heads, dim)
         scores = (q_blocks @ keys_g.swapaxes(-1, -2)).reshape(batch, n, heads, 2 * block)
