@@ -607,6 +607,64 @@ def demo_directories(folder: Path) -> tuple[dict[str, Path], list[int]]:
     return directories, list(tokenizer.encode(DEMO_TEXT))
 
 
+def _top_two_margin(logits: mx.array) -> float:
+    """The gap between the two largest logits: how far greedy is from a tie."""
+    top = mx.sort(logits)[-2:]
+    return float(top[1] - top[0])
+
+
+def first_logits(directory: Path, prompt: list[int]) -> dict[str, Any]:
+    """Both loaders' logits for the token after ``prompt`` (one forward each): their
+    largest difference against their scale and each side's top-two margin, so a greedy
+    split at the first token reads as a near tie or as a real disagreement. Also the
+    device's float32 matmul error against the CPU's (TF32 shows as ~1e-3)."""
+    import mlx_vlm.utils
+
+    ours = load_mlxserve(directory)
+    theirs = mlx_vlm.utils.load_model(directory)
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    tokens = mx.array([prompt])
+    lm = theirs.language_model
+
+    def their_logits() -> mx.array:
+        # With a cache: mlx-vlm's cacheless prefill lets CSA queries see later entries.
+        out: mx.array = lm(tokens, cache=make_prompt_cache(lm)).logits[0, -1]
+        return out
+
+    a = ours(tokens)[0, -1].astype(mx.float32)
+    b = their_logits().astype(mx.float32)
+    on_cpu_side: dict[str, Any] = {}
+    if mx.default_device() != mx.cpu:
+        # The same forwards on the CPU: which side moved from its own CPU result.
+        with mx.stream(mx.cpu):
+            forwards: list[tuple[str, mx.array, Callable[[], mx.array]]] = [
+                ("mlxserve", a, lambda: ours(tokens)[0, -1]),
+                ("mlx_vlm", b, their_logits),
+            ]
+            for label, logits, run in forwards:
+                try:
+                    here = run().astype(mx.float32)
+                    on_cpu_side[label] = float(mx.abs(logits - here).max())
+                except Exception as error:  # a GPU-only kernel: say so
+                    on_cpu_side[label] = str(error)[:160]
+    left = mx.random.normal((512, 512), key=mx.random.key(5))
+    right = mx.random.normal((512, 512), key=mx.random.key(6))
+    on_device = left @ right
+    on_cpu = mx.matmul(left, right, stream=mx.cpu)
+    return {
+        "max_abs_diff": float(mx.abs(a - b).max()),
+        "logits_abs_max": float(mx.abs(b).max()),
+        "top_two_margin": {"mlxserve": _top_two_margin(a), "mlx_vlm": _top_two_margin(b)},
+        "argmax": {"mlxserve": int(mx.argmax(a)), "mlx_vlm": int(mx.argmax(b))},
+        "same_first_token": bool(mx.argmax(a) == mx.argmax(b)),
+        "max_abs_diff_device_vs_cpu": on_cpu_side,
+        "float32_matmul_rel_err_vs_cpu": float(
+            mx.abs(on_device - on_cpu).max() / mx.abs(on_cpu).max()
+        ),
+    }
+
+
 def compare(args: argparse.Namespace) -> dict[str, Any]:
     """The whole comparison (see the module docstring), as a dict."""
     import mlx_vlm
@@ -673,6 +731,19 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def first_logits_report(args: argparse.Namespace) -> dict[str, Any]:
+    """`first_logits` on the Flash shape and on its CSA-free variant."""
+    prompt = [random.Random(1).randrange(2, args.vocab) for _ in range(args.prompt)]
+    out: dict[str, Any] = {"benchmark": "vs_mlx_vlm first logits", "device": benchmark_device()}
+    with tempfile.TemporaryDirectory() as name:
+        folder = Path(name)
+        for label, csa in (("flash", True), ("csa_free", False))[: 1 if args.flash_only else 2]:
+            config = flash_config(args.layers, args.hidden, args.experts, args.vocab, csa)
+            directory = write(flash_model(config), folder / label)
+            out[label] = first_logits(directory, prompt)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -691,12 +762,19 @@ def main() -> None:
         "--budget-s", type=float, default=330.0, help="stop adding repeats past this"
     )
     parser.add_argument("--cpu", action="store_true", help="run on MLX's CPU device")
+    parser.add_argument(
+        "--first-logits-only",
+        action="store_true",
+        help="only the first token's logits of both loaders on the Flash shape (and its "
+        "CSA-free variant): why greedy tokens part",
+    )
+    parser.add_argument("--flash-only", action="store_true", help="with --first-logits-only")
     args = parser.parse_args()
     configure_cuda_graphs()  # as the CLI does, before any device work (both sides share it)
     if args.cpu:
         mx.set_default_device(mx.cpu)
     started = time.perf_counter()
-    result = compare(args)
+    result = first_logits_report(args) if args.first_logits_only else compare(args)
     result["wall_s"] = time.perf_counter() - started
     print(json.dumps(result, indent=1))
 
