@@ -22,8 +22,9 @@ It reports, on the default device:
   and the working set would not fit `--memory-gb`), tok/s against a FLOP bound (the
   layers' FLOPs over a measured bf16 matmul rate on this device; no head, as the
   engine's prefill), then the first decode step, and the peak memory of the two
-  against what the docs predict a sequence holds (the weights and the cache the layer
-  shapes give: `peak_over_predicted`, target <= 1.10), the prefill's working set (its
+  against what the docs predict a sequence peaks at (`memory.sequence_peak_bytes`:
+  the weights, the cache the layer shapes give and a prefill chunk's bounded working
+  set: `peak_over_predicted`, target within 10 %), the prefill's working set (its
   peak above what was held at the start) and the cache's bytes. `--seeded` times each
   context's last chunk alone over caches seeded as the earlier chunks leave them
   (the largest working set, without the prefill before it: 100K on a CPU);
@@ -66,6 +67,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.hardware.tuning import default_tuning
+from mlxserve.models.deepseek_v4.memory import cache_bytes, sequence_peak_bytes
 
 #: Routed experts: MXFP4, one e8m0 scale per 32 inputs (as the checkpoint ships them).
 EXPERT_MODE = ("mxfp4", 32, 4)
@@ -310,24 +312,11 @@ def chunk_flops(model: Any, first: int, last: int) -> float:
     return total
 
 
-def predicted_cache_bytes(model: Any, context: int) -> float:
-    """The cache of one sequence of `context` tokens, from the layer shapes: per layer
-    the window (bfloat16 K=V rows), and per compressor its entries (float32: pooled
-    under a float32 softmax) and the raw (kv, gate) rows of its open window or two
-    (bfloat16, twice as wide when windows overlap)."""
-    args = model.args
-    total = 0.0
-    for kind in args.layer_types:
-        total += 2 * (args.sliding_window - 1) * args.head_dim
-        ratio = args.compress_ratio(kind)
-        compressors = [(args.head_dim, ratio == 4)] if ratio else []
-        if ratio == 4:
-            compressors.append((args.index_head_dim, True))
-        for dim, overlap in compressors:
-            total += 4 * (context // ratio) * dim
-            span, width = (2 * ratio, 2 * dim) if overlap else (ratio, dim)
-            total += 2 * 2 * span * width
-    return total
+def activation_itemsize(model: Any) -> int:
+    """Bytes of an activation: 4 when the norms keep float32 weights (MLX's norm then
+    gives float32 activations), else the embedding's."""
+    dtype = _block_input(model.layers[0], model.model.embed_tokens.weight.dtype)
+    return int(dtype.size)
 
 
 def last_chunk_start(context: int, chunk: int) -> int:
@@ -399,19 +388,14 @@ def prefill(model: Any, context: int, chunk: int, seeded: bool = False) -> dict[
     }
 
 
-def working_set_bytes(model: Any, context: int, chunk: int, dense: bool) -> float:
-    """About the most a prefill chunk holds beside the weights and the cache: the
-    chunk's activations and the attention's groups (`prefill_attention.WORKING_BYTES`,
-    `indexer.SCORE_BYTES`), or, `dense`, its whole scores: every query of the chunk
-    against every window row and entry (bfloat16, four copies) and the indexer's
-    float32 scores of every entry (three)."""
-    from mlxserve.models.deepseek_v4.indexer import SCORE_BYTES
-    from mlxserve.models.deepseek_v4.prefill_attention import WORKING_BYTES
-
+def working_set_bytes(model: Any, context: int, chunk: int) -> float:
+    """About the most a prefill chunk holds beside the weights and the cache with its
+    whole scores at once (`--compare-dense`): every query of the chunk against every
+    window row and entry (bfloat16, four copies) and the indexer's float32 scores of
+    every entry (three), beside the chunk's activations (the blocked prefill's
+    prediction is `memory.prefill_working_bytes`)."""
     args = model.args
     total = 40.0 * chunk * args.hidden_size * 4
-    if not dense:
-        return float(total + WORKING_BYTES + SCORE_BYTES)
     keys = chunk + args.sliding_window + context / 4
     total += 4 * 2 * args.num_attention_heads * chunk * keys
     return float(total + 3 * 4 * args.index_n_heads * chunk * context / 4)
@@ -586,8 +570,12 @@ def main() -> None:
             "seeded": args.seeded,
             "weights_gb": weights / GB,
         }
+        itemsize = activation_itemsize(model)
         for context in (int(c) for c in args.contexts.split(",")):
-            predicted = predicted_cache_bytes(model, context)
+            predicted = cache_bytes(model.args, context, itemsize)
+            # What the docs predict one sequence peaks at: the weights, its cache and a
+            # prefill chunk's working set (`memory.sequence_peak_bytes`).
+            peak = sequence_peak_bytes(weights, model.args, context, args.prefill_chunk, itemsize)
             sides = ["blocked"]
             if args.compare_dense and context <= args.dense_max_context:
                 sides.append("dense")
@@ -595,9 +583,9 @@ def main() -> None:
             for side in sides:
                 dense = side == "dense"
                 need = (
-                    weights
-                    + predicted
-                    + working_set_bytes(model, context, args.prefill_chunk, dense)
+                    peak
+                    if not dense
+                    else weights + predicted + working_set_bytes(model, context, args.prefill_chunk)
                 )
                 if need / GB > args.memory_gb:
                     row[side] = {"skipped": f"over --memory-gb {args.memory_gb}"}
@@ -615,9 +603,9 @@ def main() -> None:
                     bound_s=flops / rate,
                     share_of_flop_bound=flops / rate / run["seconds"],
                     predicted_cache_gb=predicted / GB,
-                    # What the docs predict a sequence holds: the weights and its cache.
-                    predicted_gb=(weights + predicted) / GB,
-                    peak_over_predicted=run["peak_memory_gb"] * GB / (weights + predicted),
+                    predicted_working_set_gb=(peak - weights - predicted) / GB,
+                    predicted_gb=peak / GB,
+                    peak_over_predicted=run["peak_memory_gb"] * GB / peak,
                 )
                 row[side] = run
             blocked, dense_run = row.get("blocked", {}), row.get("dense", {})

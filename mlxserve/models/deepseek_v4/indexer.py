@@ -219,7 +219,10 @@ class Indexer(Module):
                 every = mx.where(ids < visible, ids, -1)[None]
                 picks.append(mx.broadcast_to(every, (batch, g1 - g0, k)))
                 continue
-            scores = q[:, :, g0:g1] @ keys_t[..., :seen]  # [B, H, n, m]
+            q_rows = q[:, :, g0:g1]
+            if picks:  # after the previous group (as ``prefill_attention``'s groups)
+                q_rows = mx.depends(q_rows, picks[-1])
+            scores = q_rows @ keys_t[..., :seen]  # [B, H, n, m]
             scores = mx.maximum(scores, 0.0) * (self.head_dim**-0.5)
             scores = mx.sum(scores * weights[:, :, g0:g1], axis=1)  # [B, n, m]
             scores = mx.where(mx.arange(seen)[None, :] < visible, scores, -mx.inf)

@@ -6,6 +6,11 @@ every row and 32-column group, one byte each (``rows * cols / 32``), and turns f
 scales into one-byte e8m0; the hash tables (``tid2eid``) become int32. Under tensor
 parallelism a rank holds its share (``1 / n``, or ``split[rank] / sum(split)``) of the
 tensors ``sharding.is_sharded`` names and the whole of the rest.
+
+And what one sequence adds to them (`sequence_peak_bytes`, the prediction
+docs/deepseek-v4-flash.md states and ``benchmarks/real_width.py`` measures against):
+its cache (`cache_bytes`) and one prefill chunk's bounded working set
+(`prefill_working_bytes`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..safetensors_header import DTYPE_BYTES, TensorInfo
+from .config import CSA, ModelArgs
+from .indexer import SCORE_BYTES
 from .packed import repacked_scale_bytes
+from .prefill_attention import WORKING_BYTES
 from .sharding import is_sharded
 
 #: Routed experts (DeepSeek's per-expert names or MLX's stacked ones): a decode step
@@ -105,3 +113,62 @@ def shape_numbers(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]) 
         numbers[f"{kind}_read"] += size * top_k // experts if _ROUTED.search(name) else size
     numbers["granularity"] = split_granularity(config, tensors)
     return numbers
+
+
+def cache_bytes(args: ModelArgs, context: int, itemsize: int = 4) -> int:
+    """Bytes of one sequence's cache after ``context`` tokens, from the layer shapes.
+
+    Per layer the window's last ``sliding_window - 1`` K=V rows; per compressor (a
+    compressed layer's own, and a CSA layer's indexer's) its ``context // ratio``
+    entries, float32 (pooled under a float32 softmax), and the raw (kv, gate) rows it
+    still needs (its open window, and the one before it when windows overlap: twice
+    as wide then). The rows are the activations' dtype: ``itemsize`` 4 when the norms
+    keep the reference's float32 weights (the activations are float32 then), 2 when
+    the norms are bfloat16.
+    """
+    total = 0
+    for kind in args.layer_types or []:
+        total += itemsize * min(args.sliding_window - 1, context) * args.head_dim
+        ratio = args.compress_ratio(kind)
+        if not ratio:
+            continue
+        compressors = [args.head_dim] + ([args.index_head_dim] if kind == CSA else [])
+        overlap = kind == CSA
+        closed = context // ratio
+        held = context - max(closed - (1 if overlap else 0), 0) * ratio
+        for dim in compressors:
+            total += 4 * closed * dim
+            total += itemsize * 2 * held * (2 * dim if overlap else dim)
+    return total
+
+
+def prefill_working_bytes(
+    args: ModelArgs,
+    chunk: int,
+    itemsize: int = 4,
+    attention_budget: int = WORKING_BYTES,
+    score_budget: int = SCORE_BYTES,
+) -> int:
+    """The most a prefill chunk of ``chunk`` tokens holds beside the weights and the cache.
+
+    Two parts, each bounded whatever the context: the chunk's activations, about three
+    query-wide rows per token (``num_attention_heads x head_dim`` values of
+    ``itemsize``: the rotated queries the attention reads, its per-group outputs and
+    their concatenation, the widest arrays of a layer), and the larger of the two
+    grouped stages' budgets, the attention's query groups (``attention_budget``,
+    `prefill_attention.WORKING_BYTES`) and the indexer's score groups
+    (``score_budget``, `indexer.SCORE_BYTES`), which run one after the other and one
+    group at a time.
+    """
+    activations = 3 * chunk * args.num_attention_heads * args.head_dim * itemsize
+    return activations + max(attention_budget, score_budget)
+
+
+def sequence_peak_bytes(
+    weights: int, args: ModelArgs, context: int, chunk: int, itemsize: int = 4
+) -> int:
+    """What one sequence of ``context`` tokens prefilled in ``chunk``s peaks at: the
+    weights, its cache (`cache_bytes`) and a chunk's working set (`prefill_working_bytes`;
+    a decode step's, its logits and the head's float32 slices, is smaller)."""
+    cache = cache_bytes(args, context, itemsize)
+    return weights + cache + prefill_working_bytes(args, chunk, itemsize)

@@ -32,6 +32,7 @@ from .attention import Attention
 from .cache import LayerCache, RowCaches
 from .config import ModelArgs
 from .dspark import attach_head, has_dspark_head, split_head
+from .head import SLICE_BYTES, head_logits
 from .hyper_connections import HyperConnection, HyperHead
 from .moe import MoE
 from .mtp import mtp_fill, mtp_forward
@@ -138,6 +139,8 @@ class Model(Module):
         if not args.tie_word_embeddings:
             self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.mtp: list[MTPBlock] = []
+        # Bytes of float32 head rows one slice of the head's product may hold (``head.py``).
+        self.head_slice_bytes = SLICE_BYTES
 
     def __call__(self, inputs: mx.array, cache: Sequence[AnyCache] | None = None) -> mx.array:
         return self.head_from_streams(self.forward_hidden(inputs, cache))
@@ -170,12 +173,12 @@ class Model(Module):
         return self.output_head(self.model.norm(self.model.hc_head(streams)))
 
     def output_head(self, h: mx.array) -> mx.array:
-        """The output projection alone (shared by the main model and the MTP blocks)."""
-        if self.args.tie_word_embeddings:
-            out: mx.array = self.model.embed_tokens.as_linear(h)  # type: ignore[no-untyped-call]
-            return out
-        logits: mx.array = self.lm_head(h)
-        return logits
+        """The output projection alone (shared by the main model and the MTP blocks).
+        The final norms' float32 weights make ``h`` float32: a bfloat16 head multiplies
+        it a slice of the vocabulary at a time, never as a whole float32 copy
+        (``head.py``)."""
+        layer = self.model.embed_tokens if self.args.tie_word_embeddings else self.lm_head
+        return head_logits(layer, h, self.head_slice_bytes)
 
     @property
     def layers(self) -> list[DecoderLayer]:

@@ -25,7 +25,10 @@ Here the same softmax is computed over only the keys each query sees:
 The ops and dtypes are the fallback's (queries scaled in their dtype, scores in it,
 masked to its lowest finite value, a precise softmax with the sink in front), so only
 the order of a few sums differs. The queries run in groups whose scores and gathered
-entries fit ``WORKING_BYTES``: the working set is bounded whatever the context.
+entries fit ``WORKING_BYTES``: the working set is bounded whatever the context. Each
+group's first ops wait for the previous group's output (``mx.depends``), so MLX does
+not schedule several groups' gathers ahead of their products (as it did the slices of
+the vocabulary head, ``head.py``).
 """
 
 from __future__ import annotations
@@ -115,13 +118,16 @@ def prefill_attention(
     sink_column = sinks.astype(q.dtype)[None, None, :, None]
     factor = mx.array(scale, q.dtype)
 
-    outs = []
+    outs: list[mx.array] = []
     for g0 in range(0, padded, group):
         g1 = min(g0 + group, padded)
         n, b0, b1 = g1 - g0, g0 // block, g1 // block
         # The group's queries [B, n, H, D], scaled in their dtype as the SDPA fallback
         # does, the last group padded to whole blocks.
-        qg = (q[:, :, g0 : min(g1, length)] * factor).swapaxes(1, 2)
+        q_rows = q[:, :, g0 : min(g1, length)]
+        if outs:  # after the previous group's output (module docstring)
+            q_rows = mx.depends(q_rows, outs[-1])
+        qg = (q_rows * factor).swapaxes(1, 2)
         if g1 > length:
             qg = mx.pad(qg, [(0, 0), (0, g1 - length), (0, 0), (0, 0)])
         keys_g = pairs[:, b0:b1]  # [B, nb, 2 * block, D]
@@ -133,6 +139,8 @@ def prefill_attention(
         seen = None
         if entries is not None and chosen is not None:
             picks = chosen[:, g0:g1]  # [B, n, k]
+            if outs:
+                picks = mx.depends(picks, outs[-1])
             safe = mx.where(picks >= 0, picks, 0)
             seen = mx.take_along_axis(entries, safe.reshape(batch, n * k, 1), axis=1)
             seen = seen.reshape(batch, n, k, dim)

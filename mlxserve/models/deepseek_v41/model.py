@@ -38,6 +38,7 @@ import mlx.core as mx
 from mlx_lm.models import deepseek_v41 as text
 
 from mlxserve.models.deepseek_v4.dspark import head_of
+from mlxserve.models.deepseek_v4.head import SLICE_BYTES, head_logits
 
 from .cache import LayerCache
 from .compressor import Compressor
@@ -114,6 +115,8 @@ class Model(text.Model):
     def __init__(self, config: ModelArgs) -> None:
         super().__init__(config)
         self.spec = config.engram_spec()
+        # Bytes of float32 head rows one slice of the head's product may hold (V4's ``head.py``).
+        self.head_slice_bytes = SLICE_BYTES
         self.hasher: EngramHasher | None = None
         if self.spec is not None:
             for layer_id in self.spec.layer_ids:
@@ -222,9 +225,10 @@ class Model(text.Model):
         return hashes
 
     def head_from_streams(self, hidden: mx.array) -> mx.array:
-        """Logits from ``forward_hidden``'s hidden states: the final norm, ``lm_head``."""
-        logits: mx.array = self.lm_head(self.model.norm(hidden))
-        return logits
+        """Logits from ``forward_hidden``'s hidden states: the final norm, ``lm_head``.
+        The collapse makes them float32: a bfloat16 head multiplies them a slice of the
+        vocabulary at a time, never as a whole float32 copy (V4's ``head.py``)."""
+        return head_logits(self.lm_head, self.model.norm(hidden), self.head_slice_bytes)
 
     def output_head(self, hidden: mx.array) -> mx.array:
         """Logits of DSpark draft hidden states (``V41DSparkHead.hidden``: before the
@@ -233,8 +237,7 @@ class Model(text.Model):
         head = head_of(self)
         if head is None:
             raise ValueError("the model has no DSpark head")
-        logits: mx.array = self.lm_head(head.norm(hidden))
-        return logits
+        return head_logits(self.lm_head, head.norm(hidden), self.head_slice_bytes)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         """mlx-lm's renaming for the text model; Engram tensors to ``model.layers.N.engram``;
