@@ -165,6 +165,9 @@ class Engine:
         # A follower rank: the costs rank 0 sent with the step it is about to run
         # (`lockstep.follow`); None when rank 0 measures in that step.
         self.leader_costs: RoundCosts | None = None
+        # A follower rank (`lockstep.follow`): as on rank 0, a step that raised is the
+        # group's failure, and ends the rank rather than failing the step's requests.
+        self.follows_group = False
         cache = None
         if config.prefix_cache_entries > 0:
             cache = PrefixCache(adapter, config.prefix_cache_entries, config.prefix_cache_bytes)
@@ -458,10 +461,12 @@ class Engine:
             emitted = self.runner.run(step, sequences)
         except Exception as exc:  # a failed step fails its requests, not the engine
             log.exception("step %d (%s) failed", step.index, step.kind)
-            if self.lockstep is not None:
+            if self.lockstep is not None or self.follows_group:
                 # In a group a whole step that raised is the group's failure (a lost
                 # peer, a collective), not these requests': the loop ends the process,
-                # and the front resumes them elsewhere and restarts the group.
+                # and the front resumes them elsewhere and restarts the group. A
+                # follower that went on would wait for rank 0's next step on a broken
+                # group, outside any step, where no watchdog sees it.
                 raise
             for sequence in sequences:
                 self._finish(sequence, "error", error=f"{type(exc).__name__}: {exc}")

@@ -5,7 +5,8 @@ every other rank (started by `mlx.launch` with the same command and config) runs
 this: it joins the group, computes the same plan, loads its shard of the model,
 and runs the steps rank 0 broadcasts (`lockstep.follow`) until rank 0 stops.
 Like rank 0's engine it runs the progress watchdog: a step that never finishes
-(a collective whose peer is gone) ends the rank with exit 75.
+(a collective whose peer is gone) ends the rank with exit 75, and a step that raises
+(a collective that broke) ends it with exit 1, never back to waiting on the group.
 """
 
 import logging
@@ -45,6 +46,7 @@ def run_follower(settings: Settings) -> int:
     if group is None or membership.rank == 0:
         raise UsageError("a follower runs on a rank other than 0 of a distributed group")
     engine, _ = build_engine(settings, plan, membership.rank, group)
+    engine.follows_group = True  # a step that raises ends this rank (`Engine._run`)
     if hang_at is not None:
         log.warning("FAULT INJECTION ARMED (tests only): this follower hangs at step %d", hang_at)
         engine.before_step = FaultInjector(Faults(hang_at_step=hang_at))
@@ -63,6 +65,9 @@ def run_follower(settings: Settings) -> int:
         steps = follow(engine, group)
     except Diverged as exc:
         log.error("%s; stopping", exc)
+        return 1
+    except Exception as exc:  # a step that raised: the group is broken (a peer lost)
+        log.error("rank %d: a step failed (%s); the group is broken, exiting", membership.rank, exc)
         return 1
     finally:
         watchdog.stop()
