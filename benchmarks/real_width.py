@@ -264,11 +264,14 @@ def decode_steps(model: Any, rows: int, context: int, steps: int) -> float:
     return statistics.median(times[1:])
 
 
-def _weight_flops(layer: Any, args: Any) -> float:
-    """2 per weight one token multiplies in ``layer`` (its picked experts' share)."""
+def _weight_flops(layer: Any, args: Any, path: str = ".") -> float:
+    """2 per weight one token multiplies in ``layer`` (its picked experts' share);
+    ``path``, the module's place in a decoder layer (``".ffn.switch_mlp."``), lets a
+    part of a layer be counted alone."""
     params = 0
     flat: Any = tree_flatten(layer.parameters())
-    for name, value in flat:
+    for bare, value in flat:
+        name = path + bare
         count = int(value.size)
         if value.dtype == mx.uint32:
             count *= 32 // (4 if ".switch_mlp." in name else 8)
