@@ -770,6 +770,8 @@ def main() -> None:
     )
     parser.add_argument("--flash-only", action="store_true", help="with --first-logits-only")
     args = parser.parse_args()
+    if args.flash_only and not args.first_logits_only:
+        parser.error("--flash-only goes with --first-logits-only")
     configure_cuda_graphs()  # as the CLI does, before any device work (both sides share it)
     if args.cpu:
         mx.set_default_device(mx.cpu)
