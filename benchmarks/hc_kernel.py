@@ -23,12 +23,12 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx.nn.layers.normalization import RMSNorm
 
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.kernels import hyper_connection as kernel
 from mlxserve.models.deepseek_v4 import ModelArgs
 from mlxserve.models.deepseek_v4 import hyper_connections as hc
+from mlxserve.models.deepseek_v4.norm import InputDtypeRMSNorm
 
 #: (hc, hidden, streams' dtype, the norm weight's dtype) of the comparisons
 CASES = [
@@ -37,6 +37,7 @@ CASES = [
     (4, 512, mx.bfloat16, mx.float32),
     (4, 4096, mx.float32, mx.float32),
     (4, 4096, mx.bfloat16, mx.bfloat16),
+    (4, 4096, mx.bfloat16, mx.float32),
     (2, 32, mx.float32, mx.float32),
     (4, 64, mx.float32, mx.float32),
 ]
@@ -46,7 +47,7 @@ OUTPUTS = ["y", "post", "comb", "new_streams", "y2", "post2", "comb2"]
 
 def make(
     hc_mult: int, dim: int, dtype: Any, weight_dtype: Any, rows: int = 3
-) -> tuple[hc.HyperConnection, RMSNorm, mx.array, mx.array]:
+) -> tuple[hc.HyperConnection, InputDtypeRMSNorm, mx.array, mx.array]:
     """A hyper-connection with random weights, a block norm, streams and a block's output."""
     args = ModelArgs.from_dict(
         {
@@ -63,7 +64,7 @@ def make(
     block.fn = mx.random.normal(block.fn.shape, key=next(keys)) * (hc_mult * dim) ** -0.5
     block.base = mx.random.normal(block.base.shape, key=next(keys)) * 0.1
     block.scale = mx.random.uniform(0.5, 1.5, (3,), key=next(keys))
-    norm = RMSNorm(dim, eps=1e-6)
+    norm = InputDtypeRMSNorm(dim, eps=1e-6)  # the model's block norm
     norm.weight = (1 + 0.1 * mx.random.normal((dim,), key=next(keys))).astype(weight_dtype)
     out = mx.random.normal((1, rows, dim), key=next(keys)).astype(dtype)
     return block, norm, streams, out

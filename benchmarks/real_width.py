@@ -316,8 +316,8 @@ def chunk_flops(model: Any, first: int, last: int) -> float:
 
 
 def activation_itemsize(model: Any) -> int:
-    """Bytes of an activation: 4 when the norms keep float32 weights (MLX's norm then
-    gives float32 activations), else the embedding's."""
+    """Bytes of an activation: what the first layer's norm gives the embedding's dtype
+    (the streams' dtype: the norms cast back, ``deepseek_v4/norm.py``)."""
     dtype = _block_input(model.layers[0], model.model.embed_tokens.weight.dtype)
     return int(dtype.size)
 
@@ -329,7 +329,7 @@ def last_chunk_start(context: int, chunk: int) -> int:
 
 def _block_input(layer: Any, dtype: mx.Dtype) -> mx.Dtype:
     """The dtype a layer's attention gets from residual streams of ``dtype``: its
-    norm's (float32 when the norm's weight is)."""
+    norm's output's."""
     width = layer.attn_norm.weight.shape[-1]
     out: mx.Dtype = layer.attn_norm(mx.zeros((1, 1, width), dtype=dtype)).dtype
     return out
@@ -475,8 +475,8 @@ def main() -> None:
         "--norm-dtype",
         choices=("float32", "bfloat16"),
         default="float32",
-        help="RMSNorm weights: float32 (as the reference keeps them; MLX's norm then "
-        "gives float32 activations) or bfloat16 (bfloat16 activations throughout)",
+        help="RMSNorm weights: float32 (as the reference keeps them) or bfloat16; "
+        "the activations are bfloat16 either way (the norms cast back)",
     )
     parser.add_argument(
         "--moe",

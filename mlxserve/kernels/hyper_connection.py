@@ -194,8 +194,12 @@ _BODY = """
             x = x + pre_s[i] * (float)s_now[i * D + d];
         }
         const float xo = (float)(Y)(T)x;
-        const Y normed = (Y)(xo * normalizer);
-        y[(size_t)row * D + d] = (Y)((float)(Y)weight[d] * (float)normed);
+        const float xn = xo * normalizer;
+        // MLX's norm rounds the normalised value to its output's dtype before the
+        // weight when the weight has that dtype; a wider weight (the model's float32
+        // weights, cast back: deepseek_v4/norm.py) is applied in float32 first.
+        y[(size_t)row * D + d] = ROUND_TWICE ? (Y)((float)(Y)weight[d] * (float)(Y)xn)
+                                             : (Y)((float)weight[d] * xn);
     }
 """
 
@@ -272,6 +276,7 @@ def _launch(
             ("HC", hc),
             ("D", dim),
             ("ITERS", iters),
+            ("ROUND_TWICE", inputs[-2].dtype == out_dtype),
         ],
         grid=(rows * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),

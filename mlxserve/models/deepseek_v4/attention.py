@@ -32,7 +32,6 @@ from functools import cache
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.linear import Linear
-from mlx.nn.layers.normalization import RMSNorm
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from mlxserve.hardware.tuning import default_tuning
@@ -44,6 +43,7 @@ from .config import CSA, SLIDING, ModelArgs
 from .fused_linears import fused
 from .indexer import Indexer, visible_entries
 from .moe import quantized_experts
+from .norm import InputDtypeRMSNorm
 from .prefill_attention import WORKING_BYTES, groups_major, prefill_attention
 from .rope import PartialRoPE
 from .stacked import StackedRows
@@ -140,10 +140,10 @@ class Attention(Module):
         assert args.qk_rope_head_dim is not None and args.rope_parameters is not None
 
         self.wq_a = Linear(args.hidden_size, args.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
+        self.q_norm = InputDtypeRMSNorm(args.q_lora_rank, eps=args.rms_norm_eps)
         self.wq_b = Linear(args.q_lora_rank, self.num_heads * self.head_dim, bias=False)
         self.wkv = Linear(args.hidden_size, self.head_dim, bias=False)
-        self.norm = RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self.norm = InputDtypeRMSNorm(self.head_dim, eps=args.rms_norm_eps)
         # wo_a is block diagonal, one [o_lora_rank, heads * head_dim / groups] per group;
         # SwitchLinear keeps it quantisable and shardable along the group axis.
         self.wo_a = SwitchLinear(

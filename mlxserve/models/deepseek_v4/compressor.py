@@ -17,9 +17,9 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.linear import Linear
-from mlx.nn.layers.normalization import RMSNorm
 
 from .cache import CompressorState
+from .norm import InputDtypeRMSNorm
 from .rope import PartialRoPE
 from .stacked import StackedCompressor
 
@@ -38,7 +38,7 @@ class Compressor(Module):
         self.wkv = Linear(hidden_size, width, bias=False)
         self.wgate = Linear(hidden_size, width, bias=False)
         self.ape = mx.zeros((ratio, width), dtype=mx.float32)
-        self.norm = RMSNorm(head_dim, eps=eps)
+        self.norm = InputDtypeRMSNorm(head_dim, eps=eps)
 
     def make_state(self) -> CompressorState:
         return CompressorState(self.ratio, self.overlap)

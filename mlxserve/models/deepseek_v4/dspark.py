@@ -47,6 +47,7 @@ from mlx.nn.layers.normalization import RMSNorm
 from .config import SLIDING, ModelArgs
 from .hyper_connections import HyperConnection, HyperHead
 from .moe import MoE
+from .norm import InputDtypeRMSNorm
 from .sanitize import sanitize_weights
 
 if TYPE_CHECKING:
@@ -144,8 +145,8 @@ class DSparkStage(Module):
 
         self.attn = Attention(args, SLIDING)
         self.ffn = MoE(args, "moe")
-        self.attn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.ffn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.attn_norm = InputDtypeRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.ffn_norm = InputDtypeRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_attn = HyperConnection(args)  # type: ignore[arg-type]
         self.hc_ffn = HyperConnection(args)  # type: ignore[arg-type]
 
@@ -206,7 +207,7 @@ class DSparkHead(Module):
         self.hc_mult = args.hc_mult
         self.sliding_window = args.sliding_window
         self.main_proj = Linear(hidden * len(spec.target_layers), hidden, bias=False)
-        self.main_norm = RMSNorm(hidden, eps=args.rms_norm_eps)
+        self.main_norm = InputDtypeRMSNorm(hidden, eps=args.rms_norm_eps)
         self.stages = [DSparkStage(args) for _ in range(spec.stages)]
         self.hc_head = HyperHead(args)
         self.norm = RMSNorm(hidden, eps=args.rms_norm_eps)

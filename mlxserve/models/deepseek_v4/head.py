@@ -19,8 +19,9 @@ again. The backend still allocates a few slices ahead of its work (about 17 on t
 CPU), so the transient is about 17 slices, not one: 570 MB instead of 2.1 GB at the
 default 32 MiB slices. What it does not remove: the head's bytes are still read,
 written as float32 and read again each step, and a GPU launches two kernels per
-slice (128 for V4-Flash); a kernel reading the bfloat16 rows into a float32 sum
-would remove both. Quantised heads (``QuantizedLinear``, ``QuantizedEmbedding``)
+slice (128 for V4-Flash). On CUDA a kernel that reads the bfloat16 rows into
+float32 sums (``mlxserve.kernels.head_product``) removes both, where it checks out
+against these ops. Quantised heads (``QuantizedLinear``, ``QuantizedEmbedding``)
 never needed any of it: their kernel dequantises in place.
 """
 
@@ -31,6 +32,8 @@ from mlx.nn.layers.base import Module
 from mlx.nn.layers.embedding import Embedding
 from mlx.nn.layers.linear import Linear
 from mlx.nn.layers.quantized import QuantizedEmbedding
+
+from mlxserve.kernels import head_product as head_kernel
 
 #: Bytes of float32 weight rows one slice of the head's product may hold (32 MiB:
 #: 2,048 rows at hidden 4,096, 64 slices for V4-Flash's vocabulary). Smaller slices
@@ -71,6 +74,12 @@ def head_logits(layer: Module, h: mx.array, slice_bytes: int = SLICE_BYTES) -> m
     through `sliced_product`; everything else is the layer's own call."""
     weight = _float_weight(layer)
     if weight is not None and h.dtype == mx.float32 and weight.dtype != mx.float32:
+        if (
+            head_kernel.available()
+            and head_kernel.fits(h, weight)
+            and head_kernel.agrees(weight.dtype, weight.shape[-1])
+        ):
+            return head_kernel.product(h, weight)
         return sliced_product(h, weight, slice_bytes)
     if isinstance(layer, Embedding | QuantizedEmbedding):
         tied: mx.array = layer.as_linear(h)  # type: ignore[no-untyped-call]

@@ -52,6 +52,7 @@ from mlxserve.kernels import hyper_connection as hc_kernel
 from mlxserve.kernels.sinkhorn import sinkhorn
 
 from .config import ModelArgs
+from .norm import InputDtypeRMSNorm
 
 __all__ = ["HyperConnection", "HyperHead", "collapse", "expand"]
 
@@ -286,11 +287,17 @@ class HyperConnection(V41HyperConnection):
         rows = streams.shape[0] * streams.shape[1]
         return (
             rows <= self.compiled_max_rows
-            and type(norm) is RMSNorm
+            and isinstance(norm, RMSNorm)
+            and type(norm) in (RMSNorm, InputDtypeRMSNorm)
             and "weight" in norm
             and hc_kernel.available()
             and cuda_agrees(
-                self.constants, self.iters, streams.shape[-1], streams.dtype, norm["weight"].dtype
+                self.constants,
+                self.iters,
+                streams.shape[-1],
+                streams.dtype,
+                norm["weight"].dtype,
+                isinstance(norm, InputDtypeRMSNorm),
             )
         )
 
@@ -301,7 +308,10 @@ class HyperConnection(V41HyperConnection):
         norm's weight, the epsilons and the norm's output dtype."""
         weight = norm["weight"]
         consts = _epsilons(self.norm_eps, self.hc_eps, float(norm.eps))
-        out_dtype = _result_dtype(streams.dtype, weight.dtype)
+        if isinstance(norm, InputDtypeRMSNorm):
+            out_dtype = streams.dtype  # the collapse has the streams' dtype
+        else:
+            out_dtype = _result_dtype(streams.dtype, weight.dtype)
         return (self.fn, self.scale, self.base), weight, consts, out_dtype
 
     def enter(
@@ -378,7 +388,12 @@ def _epsilons(norm_eps: float, hc_eps: float, block_eps: float) -> mx.array:
 
 @cache
 def cuda_agrees(
-    constants: MixConstants, iters: int, dim: int, dtype: Any, weight_dtype: Any
+    constants: MixConstants,
+    iters: int,
+    dim: int,
+    dtype: Any,
+    weight_dtype: Any,
+    keeps_dtype: bool = True,
 ) -> bool:
     """Whether the CUDA kernels (``mlxserve.kernels.hyper_connection``) build and
     match the ops here, for streams of ``dim`` channels and these dtypes (once per
@@ -387,7 +402,8 @@ def cuda_agrees(
     outputs within 2e-3: the kernel sums in float32 in its own order, and the ops'
     matmuls on the GPU differ from such sums by up to 1.1e-3 (an H100, hidden 4096,
     values of about 1: docs/engine.md, "Ops per decode step"); a narrower dtype
-    within 5e-2 (a value rounding the other way is one step of its last bit). A
+    within 5e-2 (a value rounding the other way is one step of its last bit). The
+    block norm is the model's ``InputDtypeRMSNorm`` (``keeps_dtype``) or MLX's. A
     failure or a difference leaves the ops in use, with a warning."""
     args = ModelArgs.from_dict(
         {
@@ -407,7 +423,7 @@ def cuda_agrees(
     block.base = mx.random.normal(block.base.shape, key=next(keys)) * 0.1
     block.scale = mx.random.uniform(0.5, 1.5, (3,), key=next(keys))
     block.compiled_max_rows = 0  # the ops
-    norm = RMSNorm(dim, eps=1e-6)
+    norm = (InputDtypeRMSNorm if keeps_dtype else RMSNorm)(dim, eps=1e-6)
     norm.weight = (1 + 0.1 * mx.random.normal((dim,), key=next(keys))).astype(weight_dtype)
     out = mx.random.normal((1, 3, dim), key=next(keys)).astype(dtype)
     try:

@@ -122,9 +122,9 @@ def cache_bytes(args: ModelArgs, context: int, itemsize: int = 4) -> int:
     compressed layer's own, and a CSA layer's indexer's) its ``context // ratio``
     entries, float32 (pooled under a float32 softmax), and the raw (kv, gate) rows it
     still needs (its open window, and the one before it when windows overlap: twice
-    as wide then). The rows are the activations' dtype: ``itemsize`` 4 when the norms
-    keep the reference's float32 weights (the activations are float32 then), 2 when
-    the norms are bfloat16.
+    as wide then). The rows are the activations' dtype, the residual streams' (the
+    norms cast their output back to their input's dtype, ``norm.py``): ``itemsize`` 2
+    for a bfloat16 checkpoint, 4 for a float32 one.
     """
     total = 0
     for kind in args.layer_types or []:

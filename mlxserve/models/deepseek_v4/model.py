@@ -36,6 +36,7 @@ from .head import SLICE_BYTES, head_logits
 from .hyper_connections import HyperConnection, HyperHead
 from .moe import MoE
 from .mtp import mtp_fill, mtp_forward
+from .norm import InputDtypeRMSNorm
 from .sanitize import check_weights, mtp_block_count, sanitize_weights
 from .sharding import shard_model
 from .stacked import StackedRows
@@ -51,8 +52,8 @@ class DecoderLayer(Module):
         super().__init__()  # type: ignore[no-untyped-call]
         self.attn = Attention(args, layer_type)
         self.ffn = MoE(args, mlp_type)
-        self.attn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.ffn_norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.attn_norm = InputDtypeRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.ffn_norm = InputDtypeRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         # v41's HyperConnection only reads hc_mult, hc_sinkhorn_iters, hc_eps,
         # rms_norm_eps and hidden_size, which V4's args share.
         self.hc_attn = HyperConnection(args)  # type: ignore[arg-type]
@@ -83,8 +84,8 @@ class MTPBlock(DecoderLayer):
         super().__init__(args, layer_type, "moe")
         self.e_proj = Linear(args.hidden_size, args.hidden_size, bias=False)
         self.h_proj = Linear(args.hidden_size, args.hidden_size, bias=False)
-        self.enorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.hnorm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.enorm = InputDtypeRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.hnorm = InputDtypeRMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.norm = RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self.hc_head = HyperHead(args)
 

@@ -53,6 +53,7 @@ from mlx_lm.models import deepseek_v41 as text
 
 from mlxserve.models.deepseek_v4.dspark import ConfidenceHead as V4ConfidenceHead
 from mlxserve.models.deepseek_v4.dspark import DSparkHead, DSparkSpec, MarkovHead, head_of
+from mlxserve.models.deepseek_v4.norm import InputDtypeRMSNorm
 
 if TYPE_CHECKING:
     from .model import Model, ModelArgs
@@ -166,7 +167,7 @@ class V41DSparkHead(DSparkHead):
         self.hc_mult = args.hc_mult
         self.sliding_window = args.sliding_window
         self.main_proj = Linear(hidden * len(spec.target_layers), hidden, bias=False)
-        self.main_norm = RMSNorm(hidden, eps=args.rms_norm_eps)
+        self.main_norm = InputDtypeRMSNorm(hidden, eps=args.rms_norm_eps)
         stage_args = draft_args(args)
         first = args.num_hidden_layers
         self.stages = [DSparkStage(stage_args, first + i) for i in range(spec.stages)]

@@ -1,0 +1,89 @@
+"""The CUDA head-product kernel against the ops, on the GPU; one JSON.
+
+`mlxserve.kernels.head_product` multiplies float32 activations by a bfloat16
+vocabulary head in one kernel; the ops (`deepseek_v4/head.py`'s `sliced_product`)
+cast the head to float32 a slice at a time first. At V4-Flash's head (129,280 x
+4,096, random bfloat16) and 1, 4, 16 and 64 activation rows this prints each path's
+latency (median of calls evaluated one at a time, so launches included), the bytes
+the head is over that time, the kernel's largest difference from the ops' float32
+product (relative to the largest logit), and the model's own check. For scale, the
+same rows through a plain bfloat16 matmul (bfloat16 logits: what the float32 path
+avoids) are timed too. It needs CUDA; elsewhere it says so and exits 2.
+
+Run: python benchmarks/head_product.py [--calls 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from mlxserve.hardware.probe import benchmark_device
+from mlxserve.kernels import head_product as kernel
+from mlxserve.models.deepseek_v4.head import SLICE_BYTES, sliced_product
+
+VOCAB, DIM = 129_280, 4_096
+
+
+def latency_ms(call: Callable[[], mx.array], calls: int) -> float:
+    """Median milliseconds of one call evaluated on its own (after three warm-ups)."""
+    for _ in range(3):
+        mx.eval(call())
+    times = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        mx.eval(call())
+        times.append(time.perf_counter() - began)
+    times.sort()
+    return times[len(times) // 2] * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=50, help="calls timed per latency")
+    args = parser.parse_args()
+    if not kernel.available():
+        print("head_product: the kernel needs a CUDA GPU as MLX's default device", file=sys.stderr)
+        raise SystemExit(2)
+    keys = iter(mx.random.split(mx.random.key(3), 8))
+    weight = (mx.random.normal((VOCAB, DIM), key=next(keys)) * DIM**-0.5).astype(mx.bfloat16)
+    mx.eval(weight)
+    head_gb = weight.nbytes / 1e9
+    result: dict[str, Any] = {
+        "benchmark": "head_product",
+        "head": [VOCAB, DIM],
+        "head_gb": head_gb,
+        "model_check_agrees": kernel.agrees(mx.bfloat16, DIM),
+    }
+    for rows in (1, 4, 16, 64):
+        h = mx.random.normal((1, rows, DIM), key=next(keys)) * 4.0
+        mx.eval(h)
+        ours, theirs = kernel.product(h, weight), sliced_product(h, weight, SLICE_BYTES)
+        mx.eval(ours, theirs)
+        scale = float(mx.abs(theirs).max())
+        timed = {
+            "kernel_ms": latency_ms(lambda h=h: kernel.product(h, weight), args.calls),
+            "sliced_ops_ms": latency_ms(
+                lambda h=h: sliced_product(h, weight, SLICE_BYTES), args.calls
+            ),
+            "bf16_matmul_ms": latency_ms(lambda h=h: h.astype(mx.bfloat16) @ weight.T, args.calls),
+        }
+        result[f"rows{rows}"] = {
+            **timed,
+            "kernel_head_gb_s": head_gb / (timed["kernel_ms"] / 1e3),
+            "kernel_over_ops": timed["kernel_ms"] / timed["sliced_ops_ms"],
+            "max_difference_of_top_logit": float(mx.abs(ours - theirs).max()) / scale,
+            "same_argmax": bool(mx.array_equal(mx.argmax(ours, -1), mx.argmax(theirs, -1))),
+        }
+    result["device"] = benchmark_device()
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
