@@ -20,6 +20,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -67,13 +68,12 @@ def main() -> None:
         ours, theirs = kernel.product(h, weight), sliced_product(h, weight, SLICE_BYTES)
         mx.eval(ours, theirs)
         scale = float(mx.abs(theirs).max())
-        timed = {
-            "kernel_ms": latency_ms(lambda h=h: kernel.product(h, weight), args.calls),
-            "sliced_ops_ms": latency_ms(
-                lambda h=h: sliced_product(h, weight, SLICE_BYTES), args.calls
-            ),
-            "bf16_matmul_ms": latency_ms(lambda h=h: h.astype(mx.bfloat16) @ weight.T, args.calls),
+        paths: dict[str, Callable[[mx.array], mx.array]] = {
+            "kernel_ms": lambda x: kernel.product(x, weight),
+            "sliced_ops_ms": lambda x: sliced_product(x, weight, SLICE_BYTES),
+            "bf16_matmul_ms": lambda x: x.astype(mx.bfloat16) @ weight.T,
         }
+        timed = {name: latency_ms(partial(path, h), args.calls) for name, path in paths.items()}
         result[f"rows{rows}"] = {
             **timed,
             "kernel_head_gb_s": head_gb / (timed["kernel_ms"] / 1e3),
