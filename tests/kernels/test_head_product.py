@@ -36,6 +36,9 @@ def test_what_the_kernel_takes() -> None:
     assert not head_product.fits(h.astype(mx.bfloat16), head)  # bfloat16 activations
     assert not head_product.fits(h, head.astype(mx.float32))  # nothing to cast
     assert not head_product.fits(mx.zeros((1, 2, 60)), mx.zeros((100, 60), dtype=mx.bfloat16))
+    rows = head_product.MAX_ROWS
+    assert head_product.fits(mx.zeros((2, rows // 2, 64)), head)
+    assert not head_product.fits(mx.zeros((2, rows // 2 + 1, 64)), head)  # the ops are faster
 
 
 def test_a_kernel_that_cannot_run_is_refused_with_a_warning(

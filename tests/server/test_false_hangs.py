@@ -105,7 +105,9 @@ def test_a_client_that_never_reads_is_cut_off_and_blames_nobody(server: LiveServ
             assert answer(server, f"Python reference: {served}") == "primary"
             served += 1
             time.sleep(0.2)
-        server.logged("read nothing for", timeout_s=5)
+        # On a loaded 2-core machine the engine may take longer than the deadline to
+        # write past the kernel's buffers; the cut-off must come, however late.
+        server.logged("read nothing for", timeout_s=30)
         assert served >= 3
         # The connection was aborted: the client finds it closed once it reads.
         sock.settimeout(10)
