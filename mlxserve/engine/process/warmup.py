@@ -7,7 +7,8 @@ speculative round of a fresh process take tens of seconds, later steps milliseco
 answer that takes a minute, and a step the front's hang detection (seconds) and the
 engine's watchdog (tens of seconds) rightly call hung. So the engine runs a lone request
 (prefill, a plain step, speculative rounds and the depth calibration) and two
-requests together (a decode batch, drafting together) before it says hello.
+requests together (a decode batch, drafting together) before it says hello, sampled
+and greedy rows both.
 What it leaves behind is only what serving would have built anyway: compiled
 kernels and the depth calibration. Its prefix-cache entries, step times, memory
 peaks and acceptance and round times are dropped, so the front's hang limits,
@@ -26,7 +27,7 @@ import logging
 import time
 from typing import Literal
 
-from mlxserve.channel.request import GenerationParams
+from mlxserve.channel.request import GenerationParams, SamplingParams
 from mlxserve.engine.core.drive import run_until_finished
 from mlxserve.engine.core.request import GenerationRequest
 from mlxserve.engine.core.stepper import Engine
@@ -65,9 +66,16 @@ def warm_up(engine: Engine, prompt: tuple[int, ...]) -> float:
     # A second prompt (the first one's plus one token) so the pair prefills rather
     # than reusing the first request's prefix entry only.
     pair = (prompt, (*prompt, prompt[-1]))
-    lone = [GenerationRequest("warm-up-0", GenerationParams(prompt, WARM_UP_TOKENS))]
+    # Sampled rows (temperature 1: what the APIs default to when a client sends none)
+    # and greedy ones, alone and in one batch: a first sampled request compiled its
+    # sampler inside a user's first answer (+170 ms of TTFT on an H100, GuideLLM).
+    sampled = SamplingParams(temperature=1.0, seed=0)
+    lone = [GenerationRequest("warm-up-0", GenerationParams(prompt, WARM_UP_TOKENS, sampled))]
     two = [
-        GenerationRequest(f"warm-up-{i + 1}", GenerationParams(p, WARM_UP_TOKENS))
+        GenerationRequest(
+            f"warm-up-{i + 1}",
+            GenerationParams(p, WARM_UP_TOKENS, sampled if i else SamplingParams()),
+        )
         for i, p in enumerate(pair)
     ]
     engine.warming_up = True
