@@ -12,8 +12,9 @@ Here one warp takes one row of the head: it reads the row once, eight bfloat16
 values a load, multiplies them in float32 with each of the (at most ``MAX_ROWS``)
 activation rows, sums over its lanes and writes the float32 logits. Every logit is
 the same float32 dot product as the ops'; only the order of its sum differs. The
-model checks the kernel once per process and shape against the ops (``agrees``) and
-uses it only where it agrees; nothing here is built on a machine without CUDA.
+model checks the kernel once per process and shape against the CPU's float32 product
+(``agrees``) and uses it only where it agrees; nothing here is built on a machine
+without CUDA.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def _kernel() -> Any:
 
 
 def _launch(h: mx.array, weight: mx.array) -> mx.array:
-    """``h`` [R, D] (R <= MAX_ROWS) times ``weight`` [V, D] transposed, float32 [R, V]."""
+    """``h`` [R, D] times ``weight`` [V, D] transposed, float32 [R, V] (one template
+    instance per R: the model passes at most ``MAX_ROWS``)."""
     rows, dim = h.shape
     vocab = weight.shape[0]
     threads = 32 * WARPS

@@ -20,9 +20,10 @@ CPU), so the transient is about 17 slices, not one: 570 MB instead of 2.1 GB at 
 default 32 MiB slices. What it does not remove: the head's bytes are still read,
 written as float32 and read again each step, and a GPU launches two kernels per
 slice (128 for V4-Flash). On CUDA a kernel that reads the bfloat16 rows into
-float32 sums (``mlxserve.kernels.head_product``) removes both, where it checks out
-against these ops. Quantised heads (``QuantizedLinear``, ``QuantizedEmbedding``)
-never needed any of it: their kernel dequantises in place.
+float32 sums (``mlxserve.kernels.head_product``) removes both for up to 16 rows,
+where it checks out against the CPU's float32 product. Quantised heads
+(``QuantizedLinear``, ``QuantizedEmbedding``) never needed any of it: their kernel
+dequantises in place.
 """
 
 from __future__ import annotations

@@ -21,9 +21,11 @@ from mlx.nn.layers.normalization import RMSNorm
 
 
 class InputDtypeRMSNorm(RMSNorm):
-    """``RMSNorm`` whose output has its input's dtype (module docstring). The sum of
-    squares and the scaling are float32 inside MLX's kernel either way; only the
-    result is rounded, once, to the input's dtype."""
+    """``RMSNorm`` whose output has its input's dtype (module docstring). With a
+    weight wider than the input (float32 over bfloat16) MLX's kernel gives the
+    float32 product and it is rounded once, as the reference's; with a weight of the
+    input's dtype the call is MLX's own (which rounds the normalised value before the
+    weight)."""
 
     def __call__(self, x: mx.array) -> mx.array:
         out = mx.fast.rms_norm(x, self["weight"], self.eps)
