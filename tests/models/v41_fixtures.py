@@ -114,7 +114,7 @@ _RENAMES = (
     (".gate.e_score_correction_bias", ".gate.bias"),
 )
 _STACK = re.compile(
-    r"^((?:layers|mtp)\.\d+)\.ffn\.experts\.switch_mlp\.(gate|up|down)_proj\.weight$"
+    r"^((?:layers|mtp)\.\d+)\.(?:ffn|mlp)\.experts\.switch_mlp\.(gate|up|down)_proj\.weight$"
 )
 _W = {"gate": "w1", "down": "w2", "up": "w3"}
 

@@ -4,7 +4,8 @@ Why a V4.1 rule of its own: the parts mlxserve does not serve (the vision tower,
 the draft head unless the config describes its DSpark head: ``parts.not_served_parts``)
 are never loaded, and mlx-lm's tensor-parallel
 ``shard`` of ``deepseek_v41`` splits only the query up-projection, the grouped output
-projections and the experts' (routed and shared) hidden dimension over the ranks;
+projections (with the heads' attention sinks) and the experts' (routed and shared)
+hidden dimension over the ranks;
 everything else, the Engram tables (~98 GB each in FP8 in the release) and a DSpark
 head included, is held whole by every rank. Packed FP8 / FP4 weights stay packed, so a tensor costs
 what its header says (the scales are small next to it).
@@ -21,7 +22,7 @@ from .parts import not_served_parts
 
 #: Tensors mlx-lm's ``Model.shard`` divides among the ranks (published names).
 _SHARDED = re.compile(
-    r"^(model\.)?layers\.\d+\.(attn\.(wq_b|wo_a|wo_b)\.|ffn\.(experts\.\d+|shared_experts)\.w[123]\.)"
+    r"^(model\.)?layers\.\d+\.(attn\.(wq_b\.|wo_a\.|wo_b\.|attn_sink$)|ffn\.(experts\.\d+|shared_experts)\.w[123]\.)"
 )
 
 
@@ -30,7 +31,11 @@ def is_sharded(name: str) -> bool:
 
 
 def is_loaded(name: str, config: Mapping[str, Any] | None = None) -> bool:
+    """Whether a checkpoint tensor is held once loaded: not a part left unserved, nor a
+    gate's ``bias_vl`` (it routes image tokens; the text model drops it)."""
     bare = name.removeprefix("model.")
+    if bare.endswith(".gate.bias_vl"):
+        return False
     return not any(bare.startswith(p) for p in not_served_parts(config).values())
 
 
