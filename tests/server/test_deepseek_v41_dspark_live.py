@@ -95,3 +95,32 @@ def test_v41_speculates_with_its_dspark_head_and_answers_as_plain_decoding(
         )
     assert response.status_code == 200, response.text
     assert content == _plain_answer(model_dir, response.json()["tokens"])
+
+
+def test_two_ranks_speculate_with_the_head_and_answer_as_one_process(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """The same checkpoint sharded over two real ring ranks (rank 0 serves, rank 1
+    follows in lockstep): the DSpark head, held whole on each rank, drafts and the
+    answer is still plain decoding's on one process."""
+    from tests.ring import served_by_two_ranks
+
+    with served_by_two_ranks(tmp_path, CONFIG.format(model=model_dir)) as (front, _):
+        with openai.OpenAI(
+            base_url=f"{front.url}/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
+            reply = client.chat.completions.create(
+                model=str(model_dir),
+                messages=QUESTION,  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body=CHAT_OFF,
+            )
+        with front.client() as http:
+            status = http.get("/status", params={"format": "json"}).json()
+            prompt = http.post(
+                "/tokenize", json={"model": str(model_dir), "messages": QUESTION, **CHAT_OFF}
+            ).json()["tokens"]
+        assert status["plan"]["world_size"] == 2
+        assert front.metric("mlxserve_speculative_accepted_tokens_total") > 0, front.tail()
+        assert reply.choices[0].message.content == _plain_answer(model_dir, prompt)
