@@ -224,14 +224,7 @@ def _keys_step(attn: Any, stacked: bool) -> Callable[[Env, Any], Env]:
         keys, mask = env["window"], env["mask"]
         entries, picked = env.get("entries"), env.get("picked")
         if entries is not None:
-            valid = env["valid"]
-            if picked is not None:
-                chosen, valid = picked
-                entries = mx.take_along_axis(entries, chosen[..., None], axis=1)
-            keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
-            if mask is None:
-                mask = mx.ones((keys.shape[0], attn.sliding_window), dtype=mx.bool_)
-            mask = mx.concatenate([mask, valid], axis=-1)
+            keys, mask = attn.join_entries(keys, mask, entries, env["valid"], picked)
         cache.advance()
         return {"keys": keys, "keys_mask": None if mask is None else mask[:, None]}
 

@@ -19,31 +19,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import mlx.core as mx
+from hc_kernel import latency_us  # beside this file
 
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.kernels import head_product as kernel
 from mlxserve.models.deepseek_v4.head import SLICE_BYTES, sliced_product
 
 VOCAB, DIM = 129_280, 4_096
-
-
-def latency_ms(call: Callable[[], mx.array], calls: int) -> float:
-    """Median milliseconds of one call evaluated on its own (after three warm-ups)."""
-    for _ in range(3):
-        mx.eval(call())
-    times = []
-    for _ in range(calls):
-        began = time.perf_counter()
-        mx.eval(call())
-        times.append(time.perf_counter() - began)
-    times.sort()
-    return times[len(times) // 2] * 1e3
 
 
 def main() -> None:
@@ -75,7 +62,9 @@ def main() -> None:
             "sliced_ops_ms": lambda x: sliced_product(x, weight, SLICE_BYTES),
             "bf16_matmul_ms": lambda x: x.astype(mx.bfloat16) @ weight.T,
         }
-        timed = {name: latency_ms(partial(path, h), args.calls) for name, path in paths.items()}
+        timed = {
+            name: latency_us(partial(path, h), args.calls) / 1e3 for name, path in paths.items()
+        }
         result[f"rows{rows}"] = {
             **timed,
             "kernel_head_gb_s": head_gb / (timed["kernel_ms"] / 1e3),

@@ -401,6 +401,25 @@ class Attention(Module):
             seen = entries[:, : (start + 1 + i) // self.ratio]
         return mx.concatenate([keys, seen.astype(keys.dtype)], axis=1) if seen.shape[1] else keys
 
+    def join_entries(
+        self,
+        keys: mx.array,
+        mask: mx.array | None,
+        entries: mx.array,
+        valid: mx.array,
+        picked: tuple[mx.array, mx.array] | None,
+    ) -> tuple[mx.array, mx.array]:
+        """Stacked rows' window keys [B, W, D] and mask (None: all valid) joined with
+        the compressed entries each row sees: all of them (``valid`` masks what a row
+        has not reached), or the indexer's ``picked`` (chosen ids, their validity)."""
+        if picked is not None:
+            chosen, valid = picked
+            entries = mx.take_along_axis(entries, chosen[..., None], axis=1)
+        keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
+        if mask is None:
+            mask = mx.ones((keys.shape[0], self.sliding_window), dtype=mx.bool_)
+        return keys, mx.concatenate([mask, valid], axis=-1)
+
     def _attend_stacked(
         self,
         x: mx.array,
@@ -434,13 +453,7 @@ class Attention(Module):
                     x, q_residual, state, starts, offsets, self.rope, index
                 )
             if entries is not None:
-                if picked is not None:
-                    chosen, valid = picked
-                    entries = mx.take_along_axis(entries, chosen[..., None], axis=1)
-                keys = mx.concatenate([keys, entries.astype(keys.dtype)], axis=1)
-                if mask is None:
-                    mask = mx.ones((keys.shape[0], self.sliding_window), dtype=mx.bool_)
-                mask = mx.concatenate([mask, valid], axis=-1)
+                keys, mask = self.join_entries(keys, mask, entries, valid, picked)
         cache.advance()
         out: mx.array = mx.fast.scaled_dot_product_attention(
             q,
