@@ -276,6 +276,7 @@ def _launch(
             ("HC", hc),
             ("D", dim),
             ("ITERS", iters),
+            # inputs end with the block norm's weight and the epsilons (`_PARAMETERS`)
             ("ROUND_TWICE", inputs[-2].dtype == out_dtype),
         ],
         grid=(rows * THREADS, 1, 1),

@@ -70,10 +70,8 @@ def _plain_answer(model_dir: Path, prompt: list[int]) -> str:
     return FrontTokenizer.load(model_dir).decode(tokens)
 
 
-def test_v41_speculates_with_its_dspark_head_and_answers_as_plain_decoding(
-    server: LiveServer, model_dir: Path
-) -> None:
-    assert "DSpark draft head (DeepSeek-V4.1, " in server.logged("DSpark draft head")
+def _ask(server: LiveServer, model_dir: Path) -> str | None:
+    """The greedy answer to QUESTION through the real `openai` client."""
     with openai.OpenAI(
         base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120
     ) as client:
@@ -84,17 +82,30 @@ def test_v41_speculates_with_its_dspark_head_and_answers_as_plain_decoding(
             temperature=0,
             extra_body=CHAT_OFF,
         )
-    content = reply.choices[0].message.content
-    assert content
-    drafted = server.metric("mlxserve_speculative_drafted_tokens_total")
-    accepted = server.metric("mlxserve_speculative_accepted_tokens_total")
-    assert drafted > 0 and accepted > 0, (drafted, accepted, server.tail())
+    return reply.choices[0].message.content
+
+
+def _prompt(server: LiveServer, model_dir: Path) -> list[int]:
+    """QUESTION's prompt tokens, as the server renders them (`/tokenize`)."""
     with server.client() as http:
         response = http.post(
             "/tokenize", json={"model": str(model_dir), "messages": QUESTION, **CHAT_OFF}
         )
     assert response.status_code == 200, response.text
-    assert content == _plain_answer(model_dir, response.json()["tokens"])
+    tokens: list[int] = response.json()["tokens"]
+    return tokens
+
+
+def test_v41_speculates_with_its_dspark_head_and_answers_as_plain_decoding(
+    server: LiveServer, model_dir: Path
+) -> None:
+    assert "DSpark draft head (DeepSeek-V4.1, " in server.logged("DSpark draft head")
+    content = _ask(server, model_dir)
+    assert content
+    drafted = server.metric("mlxserve_speculative_drafted_tokens_total")
+    accepted = server.metric("mlxserve_speculative_accepted_tokens_total")
+    assert drafted > 0 and accepted > 0, (drafted, accepted, server.tail())
+    assert content == _plain_answer(model_dir, _prompt(server, model_dir))
 
 
 def test_two_ranks_speculate_with_the_head_and_answer_as_one_process(
@@ -106,21 +117,9 @@ def test_two_ranks_speculate_with_the_head_and_answer_as_one_process(
     from tests.ring import served_by_two_ranks
 
     with served_by_two_ranks(tmp_path, CONFIG.format(model=model_dir)) as (front, _):
-        with openai.OpenAI(
-            base_url=f"{front.url}/v1", api_key="unused", max_retries=0, timeout=120
-        ) as client:
-            reply = client.chat.completions.create(
-                model=str(model_dir),
-                messages=QUESTION,  # type: ignore[arg-type]
-                max_tokens=MAX_TOKENS,
-                temperature=0,
-                extra_body=CHAT_OFF,
-            )
+        content = _ask(front, model_dir)
         with front.client() as http:
             status = http.get("/status", params={"format": "json"}).json()
-            prompt = http.post(
-                "/tokenize", json={"model": str(model_dir), "messages": QUESTION, **CHAT_OFF}
-            ).json()["tokens"]
         assert status["plan"]["world_size"] == 2
         assert front.metric("mlxserve_speculative_accepted_tokens_total") > 0, front.tail()
-        assert reply.choices[0].message.content == _plain_answer(model_dir, prompt)
+        assert content == _plain_answer(model_dir, _prompt(front, model_dir))

@@ -72,7 +72,8 @@ def sliced_product(h: mx.array, weight: mx.array, slice_bytes: int = SLICE_BYTES
 def head_logits(layer: Module, h: mx.array, slice_bytes: int = SLICE_BYTES) -> mx.array:
     """Logits of ``h`` through ``layer`` (an ``lm_head`` ``Linear``, or a tied
     ``Embedding`` used as one): float32 activations meeting a narrower float head go
-    through `sliced_product`; everything else is the layer's own call."""
+    through the CUDA kernel where it takes them (``kernels.head_product``), else
+    `sliced_product`; everything else is the layer's own call."""
     weight = _float_weight(layer)
     if weight is not None and h.dtype == mx.float32 and weight.dtype != mx.float32:
         if (

@@ -297,7 +297,7 @@ class HyperConnection(V41HyperConnection):
                 streams.shape[-1],
                 streams.dtype,
                 norm["weight"].dtype,
-                isinstance(norm, InputDtypeRMSNorm),
+                type(norm),
             )
         )
 
@@ -393,7 +393,7 @@ def cuda_agrees(
     dim: int,
     dtype: Any,
     weight_dtype: Any,
-    keeps_dtype: bool = True,
+    norm_type: type[RMSNorm] = InputDtypeRMSNorm,
 ) -> bool:
     """Whether the CUDA kernels (``mlxserve.kernels.hyper_connection``) build and
     match the ops here, for streams of ``dim`` channels and these dtypes (once per
@@ -403,7 +403,7 @@ def cuda_agrees(
     matmuls on the GPU differ from such sums by up to 1.1e-3 (an H100, hidden 4096,
     values of about 1: docs/engine.md, "Ops per decode step"); a narrower dtype
     within 5e-2 (a value rounding the other way is one step of its last bit). The
-    block norm is the model's ``InputDtypeRMSNorm`` (``keeps_dtype``) or MLX's. A
+    block norm is of ``norm_type``: the model's ``InputDtypeRMSNorm``, or MLX's. A
     failure or a difference leaves the ops in use, with a warning."""
     args = ModelArgs.from_dict(
         {
@@ -423,7 +423,7 @@ def cuda_agrees(
     block.base = mx.random.normal(block.base.shape, key=next(keys)) * 0.1
     block.scale = mx.random.uniform(0.5, 1.5, (3,), key=next(keys))
     block.compiled_max_rows = 0  # the ops
-    norm = (InputDtypeRMSNorm if keeps_dtype else RMSNorm)(dim, eps=1e-6)
+    norm = norm_type(dim, eps=1e-6)
     norm.weight = (1 + 0.1 * mx.random.normal((dim,), key=next(keys))).astype(weight_dtype)
     out = mx.random.normal((1, 3, dim), key=next(keys)).astype(dtype)
     try:
