@@ -14,8 +14,9 @@ builds in seconds.
 It reports, on the default device:
 
 - `bandwidth`: an `mx` copy (read + write) of `--copy-mb` MB, GB/s;
-- `decode`: at each batch of `--batches`, the step time (synced, median) against the
-  weight-read bound: the bytes one step reads (every dense weight, the lm_head, and
+- `decode`: at each batch of `--batches`, the step time against the weight-read
+  bound, synced (each step alone) and pipelined (as the engine decodes: the next
+  step queued before the current token is read back, `decode_steps`); the bound: the bytes one step reads (every dense weight, the lm_head, and
   per layer the distinct experts the batch's 6 picks each touch, expected under
   uniform routing) over the measured bandwidth;
 - `prefill`: at each context of `--contexts` (skipped where the weights, the cache
@@ -243,9 +244,12 @@ def step_bytes(model: Any, rows: int) -> dict[str, float]:
     return {"bytes": total, "dense_bytes": dense, "expert_bytes": routed, "per_token": total / rows}
 
 
-def decode_steps(model: Any, rows: int, context: int, steps: int) -> float:
-    """Seconds of one decode step of `rows` rows at about `context` tokens each (synced,
-    median; stacked rows as the engine runs a batch)."""
+def decode_steps(model: Any, rows: int, context: int, steps: int) -> tuple[float, float]:
+    """Seconds of one decode step of `rows` rows at about `context` tokens each, two
+    ways (stacked rows as the engine runs a batch): synced (built, run and waited for
+    alone, median), and pipelined as the engine decodes: each step built from the
+    previous step's lazy greedy tokens and queued before those are read back, so the
+    host builds step n + 1 while the device runs step n (mean over `steps`)."""
     from graph_nodes import prefilled_rows
 
     caches = prefilled_rows(model, rows, context, margin=0)
@@ -261,7 +265,23 @@ def decode_steps(model: Any, rows: int, context: int, steps: int) -> float:
         start = time.perf_counter()
         mx.eval(model(tokens, per_layer), [c.state for c in per_layer])
         times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+
+    def queued(previous: mx.array) -> mx.array:
+        following = mx.argmax(model(previous, per_layer)[:, -1], axis=-1)[:, None]
+        mx.async_eval(following, [c.state for c in per_layer])  # type: ignore[no-untyped-call]
+        return following
+
+    current = queued(tokens)
+    for _ in range(2):  # the pipeline filled, the greedy graph compiled
+        current, read = queued(current), current
+        read.tolist()
+    start = time.perf_counter()
+    for _ in range(steps):
+        current, read = queued(current), current
+        read.tolist()
+    pipelined = (time.perf_counter() - start) / steps
+    current.tolist()
+    return statistics.median(times[1:]), pipelined
 
 
 def _weight_flops(layer: Any, args: Any, path: str = ".") -> float:
@@ -548,18 +568,21 @@ def main() -> None:
         decode = {}
         for rows in (int(b) for b in args.batches.split(",")):
 
-            def step(rows: int = rows) -> float:
+            def step(rows: int = rows) -> tuple[float, float]:
                 return decode_steps(model, rows, args.decode_context, args.steps)
 
-            seconds = _timed(f"decode {rows}", step)
+            seconds, pipelined = _timed(f"decode {rows}", step)
             read = step_bytes(model, rows)
             bound = read["bytes"] / (bandwidth * GB)
             decode[str(rows)] = {
                 "step_ms": seconds * 1e3,
                 "tok_s": rows / seconds,
+                "pipelined_step_ms": pipelined * 1e3,
+                "pipelined_tok_s": rows / pipelined,
                 **read,
                 "bound_ms": bound * 1e3,
                 "step_over_bound": seconds / bound,
+                "pipelined_over_bound": pipelined / bound,
             }
         result["decode"] = {"context_per_row": args.decode_context, "batches": decode}
     if "prefill" not in skip:

@@ -68,3 +68,11 @@ def test_chunk_flops_add_up_over_chunks() -> None:
     args = model.args
     late = real_width.attention_flops(args, "sliding_attention", 500, 501)
     assert late == 4 * args.num_attention_heads * args.head_dim * args.sliding_window
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_is_timed_synced_and_pipelined(rows: int) -> None:
+    real_width: Any = importlib.import_module("real_width")
+    model = tiny_v4(seed=2)
+    synced, pipelined = real_width.decode_steps(model, rows, 12, 3)
+    assert synced > 0 and pipelined > 0

@@ -17,6 +17,8 @@ import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.layers.linear import Linear
 
+from mlxserve.models.in_flight import InFlight
+
 from .cache import CompressorState
 from .compressor import Compressor
 from .config import CSA, ModelArgs
@@ -200,7 +202,9 @@ class Indexer(Module):
         the entries its last query sees and fit ``SCORE_BYTES``, so the working set
         does not grow with the context. Each score is `_scores`' (the same ops), and
         a query that sees at most ``index_topk`` entries picks all of them without
-        scoring (as the top-k of its masked scores would)."""
+        scoring (as the top-k of its masked scores would). Each group is queued for
+        the device before the next is built, at most two at once (`InFlight`): a GPU
+        otherwise holds every group the host has encoded."""
         batch, length, _ = x.shape
         k = self.index_topk
         q = self.wq_b(q_residual).reshape(batch, length, self.num_heads, self.head_dim)
@@ -209,8 +213,11 @@ class Indexer(Module):
         weights = self.weights_proj(x).astype(mx.float32) * (self.num_heads**-0.5)
         weights = weights.swapaxes(1, 2)[..., None]  # [B, H, S, 1]
         group = max(1, min(length, self.score_bytes // (3 * 4 * self.num_heads * keys.shape[1])))
-        picks = []
+        picks: list[mx.array] = []
+        in_flight = InFlight()
         for g0 in range(0, length, group):
+            if picks:  # the previous group queued before this one is built (`InFlight`)
+                in_flight.queue(picks[-1])
             g1 = min(g0 + group, length)
             visible = visible_entries(start + g0, g1 - g0, self.ratio)  # [n, 1]
             seen = min((start + g1) // self.ratio, keys.shape[1])  # the group's last query's
@@ -219,10 +226,7 @@ class Indexer(Module):
                 every = mx.where(ids < visible, ids, -1)[None]
                 picks.append(mx.broadcast_to(every, (batch, g1 - g0, k)))
                 continue
-            q_rows = q[:, :, g0:g1]
-            if picks:  # after the previous group (as ``prefill_attention``'s groups)
-                q_rows = mx.depends(q_rows, picks[-1])
-            scores = q_rows @ keys_t[..., :seen]  # [B, H, n, m]
+            scores = q[:, :, g0:g1] @ keys_t[..., :seen]  # [B, H, n, m]
             scores = mx.maximum(scores, 0.0) * (self.head_dim**-0.5)
             scores = mx.sum(scores * weights[:, :, g0:g1], axis=1)  # [B, n, m]
             scores = mx.where(mx.arange(seen)[None, :] < visible, scores, -mx.inf)

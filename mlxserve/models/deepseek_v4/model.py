@@ -27,6 +27,7 @@ from mlx.nn.layers.normalization import RMSNorm
 from mlx.utils import tree_flatten
 
 from mlxserve.hardware.tuning import EngineTuning
+from mlxserve.models.in_flight import InFlight
 
 from .attention import Attention
 from .cache import LayerCache, RowCaches
@@ -120,21 +121,13 @@ class TextModel(Module):
         h = self.embed_tokens(inputs)
         batch, length, dim = h.shape
         streams = mx.broadcast_to(h[:, :, None, :], (batch, length, self.hc_mult, dim))
-        queued: mx.array | None = None
+        in_flight = InFlight()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
             streams = layer(streams, inputs, layer_cache)
             if tapped is not None and i in taps:
                 tapped.append(streams.mean(axis=2))  # a DSpark head's tap (``dspark.py``)
             if queue_every and (i + 1) % queue_every == 0 and i + 1 < len(self.layers):
-                mx.async_eval(streams)  # type: ignore[no-untyped-call]
-                if queued is not None:
-                    # At most two groups in flight: the device runs this one while
-                    # the host builds the next. Unbounded, the host queued every
-                    # layer of a long prefill chunk at once and the GPU held each
-                    # one's working set together (8 real-width layers at 100K: 12.9
-                    # GB against 1.5 for one).
-                    mx.eval(queued)
-                queued = streams
+                in_flight.queue(streams)  # the device runs this group as the host builds on
         return streams
 
 

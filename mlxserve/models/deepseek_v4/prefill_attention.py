@@ -26,9 +26,10 @@ The ops and dtypes are the fallback's (queries scaled in their dtype, scores in 
 masked to its lowest finite value, a precise softmax with the sink in front), so only
 the order of a few sums differs. The queries run in groups whose scores and gathered
 entries fit ``WORKING_BYTES``: the working set is bounded whatever the context. Each
-group's first ops wait for the previous group's output (``mx.depends``), so MLX does
-not schedule several groups' gathers ahead of their products (as it did the slices of
-the vocabulary head, ``head.py``).
+group is queued for the device before the next is built, at most two at once
+(`mlxserve.models.in_flight`): MLX does not schedule several groups' gathers ahead of
+their products (as it did the slices of the vocabulary head, ``head.py``), and a GPU
+does not hold every group the host has encoded.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwitchLinear
+
+from mlxserve.models.in_flight import InFlight
 
 #: About how many bytes one query group's scores and gathered entries may take.
 WORKING_BYTES = 1 << 30
@@ -119,15 +122,15 @@ def prefill_attention(
     factor = mx.array(scale, q.dtype)
 
     outs: list[mx.array] = []
+    in_flight = InFlight()
     for g0 in range(0, padded, group):
+        if outs:  # the previous group queued before this one is built (module docstring)
+            in_flight.queue(outs[-1])
         g1 = min(g0 + group, padded)
         n, b0, b1 = g1 - g0, g0 // block, g1 // block
         # The group's queries [B, n, H, D], scaled in their dtype as the SDPA fallback
         # does, the last group padded to whole blocks.
-        q_rows = q[:, :, g0 : min(g1, length)]
-        if outs:  # after the previous group's output (module docstring)
-            q_rows = mx.depends(q_rows, outs[-1])
-        qg = (q_rows * factor).swapaxes(1, 2)
+        qg = (q[:, :, g0 : min(g1, length)] * factor).swapaxes(1, 2)
         if g1 > length:
             qg = mx.pad(qg, [(0, 0), (0, g1 - length), (0, 0), (0, 0)])
         keys_g = pairs[:, b0:b1]  # [B, nb, 2 * block, D]
@@ -139,8 +142,6 @@ def prefill_attention(
         seen = None
         if entries is not None and chosen is not None:
             picks = chosen[:, g0:g1]  # [B, n, k]
-            if outs:
-                picks = mx.depends(picks, outs[-1])
             safe = mx.where(picks >= 0, picks, 0)
             seen = mx.take_along_axis(entries, safe.reshape(batch, n * k, 1), axis=1)
             seen = seen.reshape(batch, n, k, dim)

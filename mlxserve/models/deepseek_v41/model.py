@@ -39,6 +39,7 @@ from mlx_lm.models import deepseek_v41 as text
 
 from mlxserve.models.deepseek_v4.dspark import head_of
 from mlxserve.models.deepseek_v4.head import SLICE_BYTES, head_logits
+from mlxserve.models.in_flight import InFlight
 
 from .cache import LayerCache
 from .compressor import Compressor
@@ -189,6 +190,7 @@ class Model(text.Model):
         hashes = self._hashes(inputs, cache[0])
         shared: dict[str, mx.array | None] = {}
         found: dict[int, mx.array] = {}
+        in_flight = InFlight()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache, strict=True)):
             if tapped is not None and i in taps:
                 found[i] = streams.mean(axis=2)
@@ -205,7 +207,7 @@ class Model(text.Model):
                 shared=shared,
             )
             if queue_every and (i + 1) % queue_every == 0 and i + 1 < len(self.layers):
-                mx.async_eval(streams, pre_mix)  # type: ignore[no-untyped-call]
+                in_flight.queue(streams, pre_mix)  # at most two groups in flight
         if tapped is not None:
             tapped.extend(found[i] for i in taps)
         out: mx.array = text._collapse(streams, pre_mix)
