@@ -16,9 +16,10 @@ It reports, on the default device:
 - `bandwidth`: an `mx` copy (read + write) of `--copy-mb` MB, GB/s;
 - `decode`: at each batch of `--batches`, the step time against the weight-read
   bound, synced (each step alone) and pipelined (as the engine decodes: the next
-  step queued before the current token is read back, `decode_steps`); the bound: the bytes one step reads (every dense weight, the lm_head, and
-  per layer the distinct experts the batch's 6 picks each touch, expected under
-  uniform routing) over the measured bandwidth;
+  step queued before the current token is read back, `decode_steps`); the bound:
+  the bytes one step reads (every dense weight, the lm_head, and per layer the
+  distinct experts the batch's 6 picks each touch, expected under uniform routing)
+  over the measured bandwidth;
 - `prefill`: at each context of `--contexts` (skipped where the weights, the cache
   and the working set would not fit `--memory-gb`), tok/s against a FLOP bound (the
   layers' FLOPs over a measured bf16 matmul rate on this device; no head, as the
