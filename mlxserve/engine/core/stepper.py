@@ -168,6 +168,8 @@ class Engine:
         # A follower rank (`lockstep.follow`): as on rank 0, a step that raised is the
         # group's failure, and ends the rank rather than failing the step's requests.
         self.follows_group = False
+        # Whether `_depth_for` has looked for a kept calibration (once per engine).
+        self._looked_for_stored = False
         cache = None
         if config.prefix_cache_entries > 0:
             cache = PrefixCache(adapter, config.prefix_cache_entries, config.prefix_cache_bytes)
@@ -406,11 +408,17 @@ class Engine:
         measures in that step or none does."""
         if self.leader_costs is not None:
             return self.leader_costs
+        if self._looked_for_stored and self._on_its_own():
+            return None  # `_depth_for` looked when it planned the step: none was kept
         place = self.config.round_costs
         stored = None if place is None else load_costs(place.state_dir, self._costs_key(place))
         if self.lockstep is not None:
             self.lockstep.send_round_costs(stored)
         return stored
+
+    def _on_its_own(self) -> bool:
+        """One process, not a rank of a tensor-parallel group."""
+        return self.lockstep is None and not self.follows_group and self.leader_costs is None
 
     def _count_progress(self) -> None:
         """Work inside a long step (the depth calibration) that watchdogs count as progress."""
@@ -421,6 +429,14 @@ class Engine:
         (before the first calibration, `FIRST_DEPTH`)."""
         if not sequence.auto:
             return sequence.depth
+        if self.depth_picker is None and not self._looked_for_stored and self._on_its_own():
+            # A calibration an earlier run kept picks this first round too (not the
+            # blind `FIRST_DEPTH`, a wasted round where drafting does not pay). Ranks
+            # of a group read it in the step instead (`_stored_costs`).
+            stored = self._stored_costs()
+            self._looked_for_stored = True
+            if stored is not None:
+                self.depth_picker = self._calibrate(stored)
         if self.depth_picker is None:
             return min(FIRST_DEPTH, sequence.depth)
         pick = self.depth_picker.pick(

@@ -226,3 +226,20 @@ def test_only_rank_0_of_an_automatic_depth_keeps_costs(model: Module, tmp_path: 
     assert costs_place(settings, plan, auto, 1, 2) is None
     fixed = LoadedModel(model, None, MTPAdapter(model), 2)
     assert costs_place(settings, plan, fixed, 0, 1) is None
+
+
+def test_a_kept_calibration_picks_the_first_round_too(model: Module, tmp_path: Path) -> None:
+    place = _place(model, tmp_path)
+    _serve_one(_engine(model, place))
+    key = _engine(model, place)._costs_key(place)
+    kept = load_costs(tmp_path, key)
+    assert kept is not None
+    # Kept costs where drafting never pays: every round is a plain step, the first
+    # one too (without them it drafts `FIRST_DEPTH`, before the costs are read).
+    slow = {1: kept.plain * 50, 2: kept.plain * 60}
+    save_costs(tmp_path, key, RoundCosts(plain=kept.plain, rounds=slow))
+    engine = _engine(model, place)
+    tokens, finish = run(engine, GenerationRequest("r", GenerationParams(PROMPT, 6)))["r"]
+    assert len(tokens) == 6 and engine.calibrations == 0
+    assert finish.speculative is not None
+    assert finish.speculative["drafted"] == 0, finish.speculative
