@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    can_trim_prompt_cache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
 
 from mlxserve.hardware.tuning import EngineTuning, default_tuning, tune_model
 from mlxserve.kernels.buffers import own_buffers
@@ -110,6 +115,16 @@ class SupportsReserve(Protocol):
     """An adapter that allocates a prompt's caches once, for the whole prompt."""
 
     def reserve(self, state: ModelState, positions: int) -> None: ...
+
+
+@runtime_checkable
+class SupportsTrim(Protocol):
+    """An adapter whose states can drop their last positions, so a prefix-cache entry
+    serves a prompt that shares only its start (`PrefixCache.lookup`)."""
+
+    def trimmed(self, state: ModelState, keep: int) -> ModelState | None:
+        """An independent copy of ``state`` holding its first ``keep`` positions, or
+        None where its caches cannot drop positions (a sliding window that wrapped)."""
 
 
 @runtime_checkable
@@ -211,6 +226,19 @@ class PlainAdapter:
         # the source's next in-place update, which then copies instead).
         mx.eval([c.state for c in copy.cache])
         return copy
+
+    def trimmed(self, state: ModelState, keep: int) -> PlainState | None:
+        """`snapshot`, less the positions after ``keep`` (mlx-lm's cache trimming)."""
+        assert isinstance(state, PlainState)
+        drop = state.offset - keep
+        if drop < 0 or not can_trim_prompt_cache(state.cache):
+            return None
+        copy = self.snapshot(state)
+        try:
+            dropped: Any = trim_prompt_cache(copy.cache, drop)  # an int (typed as a list)
+        except ValueError:  # caches that trim only within a margin (DeepSeek-V4's) refuse
+            return None
+        return copy if dropped == drop else None
 
     def compact(self, state: ModelState) -> None:
         assert isinstance(state, PlainState)

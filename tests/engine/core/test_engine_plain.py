@@ -87,5 +87,26 @@ def test_prefix_cache_reuse_gives_identical_output(llama_model: Module) -> None:
     extended, ext_finish = run(engine, GenerationRequest("c", GenerationParams(longer, 10)))["c"]
     assert warm == cold and cold_finish.usage.cached_tokens == 0
     assert warm_finish.usage.cached_tokens == len(PROMPT) - 1
-    assert ext_finish.usage.cached_tokens == len(PROMPT) - 1
+    # The kept final state (prompt and answer) shares the whole prompt with
+    # ``longer``: trimmed to it, one position more than the prompt's own entry.
+    assert ext_finish.usage.cached_tokens == len(PROMPT)
     assert extended == reference_greedy(llama_model, longer, 10)
+
+
+def test_a_shared_system_prompt_is_prefilled_once(llama_model: Module) -> None:
+    """Requests that share a long start and differ after it (one system prompt, other
+    questions) reuse that start from the prefix cache, trimmed, and answer as from
+    scratch."""
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=16))
+    system = tuple((5 * i) % 60 + 2 for i in range(48))
+    questions = [(*system, 9, 8, 7, 6), (*system, 31, 32, 33), (*system, 9, 8, 40)]
+    for i, prompt in enumerate(questions):
+        rid = f"q{i}"
+        tokens, finish = run(engine, GenerationRequest(rid, GenerationParams(prompt, 8)))[rid]
+        assert tokens == reference_greedy(llama_model, prompt, 8)
+        if i == 0:
+            assert finish.usage.cached_tokens == 0
+        elif i == 1:
+            assert finish.usage.cached_tokens == len(system)
+        else:  # the first question's start is longer: 9, 8 shared too
+            assert finish.usage.cached_tokens == len(system) + 2

@@ -10,9 +10,10 @@ counters see it.
 import gc
 
 import mlx.core as mx
+import numpy as np
 from mlx.nn.layers.base import Module
 
-from mlxserve.engine.core.prefix_cache import PrefixCache
+from mlxserve.engine.core.prefix_cache import MIN_SHARED_TOKENS, PrefixCache, shared_length
 from mlxserve.engine.runner.adapter import PlainAdapter, PlainState
 
 #: tiny_llama: 2 layers, 2 KV heads of 16, float32 keys and values
@@ -66,3 +67,42 @@ def test_a_state_over_the_bound_is_not_kept(llama_model: Module) -> None:
     cache = PrefixCache(adapter, max_entries=4, max_bytes=adapter.nbytes(state) - 1)
     cache.store(tuple(range(3, 13)), state)
     assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_a_shared_start_is_served_trimmed_and_decodes_as_from_scratch(
+    llama_model: Module,
+) -> None:
+    """Two prompts with one long start (a system prompt) and different ends: the
+    second prefills only its own end, and its logits are those of a fresh prefill."""
+    adapter = PlainAdapter(llama_model)
+    cache = PrefixCache(adapter, max_entries=4, max_bytes=1 << 30)
+    start = [(7 * i) % 50 + 3 for i in range(40)]
+    first = (*start, 11, 12, 13, 14)
+    cache.store(first[:-1], _prefilled(adapter, list(first[:-1]), reserve=0))
+    second = (*start, 21, 22, 23)
+    hit = cache.lookup(second)
+    assert hit is not None
+    state, cached = hit
+    assert cached == len(start) == state.offset
+    adapter.prefill(state, list(second[cached:-1]))
+    reused = adapter.step(state, mx.array(second[-1:]))
+    fresh_state = _prefilled(adapter, list(second[:-1]), reserve=0)
+    fresh = adapter.step(fresh_state, mx.array(second[-1:]))
+    assert mx.allclose(reused, fresh, atol=1e-5).item()
+    # The entry itself is untouched: its own prompt still extends it whole.
+    again = cache.lookup((*first, 15))
+    assert again is not None and again[1] == len(first) - 1
+
+
+def test_a_short_shared_start_or_an_exact_prefix_is_not_trimmed(llama_model: Module) -> None:
+    adapter = PlainAdapter(llama_model)
+    cache = PrefixCache(adapter, max_entries=4, max_bytes=1 << 30)
+    entry = tuple(range(3, 3 + 40))
+    cache.store(entry, _prefilled(adapter, list(entry), reserve=0))
+    # Fewer shared tokens than MIN_SHARED_TOKENS: a miss.
+    assert cache.lookup((*entry[: MIN_SHARED_TOKENS - 1], 99, 98, 97)) is None
+    # An exact prefix is served whole, as before.
+    hit = cache.lookup((*entry, 5, 6))
+    assert hit is not None and hit[1] == len(entry)
+    assert shared_length(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
+    assert shared_length(np.array([1, 2]), np.array([1, 2, 4])) == 2
