@@ -18,8 +18,12 @@ prefill chunk (``TextModel.streams``) and the query groups of one layer's indexe
 and attention (``indexer.py``, ``prefill_attention.py``). Queuing a piece also keeps
 the next one's ops from being scheduled ahead of it, which ``mx.depends`` did before.
 
-Never inside a compiled function (``mx.compile`` cannot evaluate), and only between
-the pieces of one forward: the last piece stays lazy, part of the caller's graph.
+Never inside a compiled function or a gradient (``mx.compile`` and ``mx.grad`` cannot
+evaluate; a forward that fits one group, as every training forward here does, queues
+nothing), and only between the pieces of one forward: the last piece stays lazy, part
+of the caller's graph. A verify forward queued every few layers (the tuning's
+``verify_queue_every_layers``) waits too, so the host runs at most two groups ahead of
+the device there as well.
 """
 
 from __future__ import annotations

@@ -86,18 +86,20 @@ class PrefixCache:
         if not isinstance(adapter, SupportsTrim) or len(prompt) <= MIN_SHARED_TOKENS:
             return None
         wanted = np.asarray(prompt[:-1], dtype=np.int64)
-        best_key, best_length = None, max(longer_than, MIN_SHARED_TOKENS - 1)
+        floor = max(longer_than, MIN_SHARED_TOKENS - 1)
+        candidates = []
         for key, entry in self._entries.items():
             length = shared_length(entry.tokens, wanted)
-            if length > best_length and length < len(key):
-                best_key, best_length = key, length
-        if best_key is None:
-            return None
-        trimmed = adapter.trimmed(self._entries[best_key].state, best_length)
-        if trimmed is None:
-            return None
-        self._entries.move_to_end(best_key)
-        return trimmed, best_length
+            if floor < length < len(key):
+                candidates.append((length, key))
+        # The longest first; one that cannot trim (a sliding window that wrapped)
+        # leaves the next its turn.
+        for length, key in sorted(candidates, key=lambda c: -c[0]):
+            trimmed = adapter.trimmed(self._entries[key].state, length)
+            if trimmed is not None:
+                self._entries.move_to_end(key)
+                return trimmed, length
+        return None
 
     def store(self, tokens: tuple[int, ...], state: ModelState, owned: bool = False) -> None:
         """Keep a copy of ``state`` after ``tokens`` (``owned``: the state itself, which

@@ -436,7 +436,10 @@ class Engine:
             stored = self._stored_costs()
             self._looked_for_stored = True
             if stored is not None:
-                self.depth_picker = self._calibrate(stored)
+                try:  # planning, outside a step: a failure must not end the engine
+                    self.depth_picker = self._calibrate(stored)
+                except Exception:
+                    log.exception("kept round costs unusable; the first round measures them")
         if self.depth_picker is None:
             return min(FIRST_DEPTH, sequence.depth)
         pick = self.depth_picker.pick(

@@ -14,12 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import (
-    KVCache,
-    can_trim_prompt_cache,
-    make_prompt_cache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, make_prompt_cache
 
 from mlxserve.hardware.tuning import EngineTuning, default_tuning, tune_model
 from mlxserve.kernels.buffers import own_buffers
@@ -73,17 +68,17 @@ def _is_compact(cache: Any) -> bool:
     return type(cache) is KVCache and keys is not None and keys.shape[2] == cache.offset
 
 
-def _compact_copy(cache: Any) -> Any:
-    """A copy of `cache`: a plain KV cache at its length, in buffers of its own
-    (`mlxserve.kernels.buffers`); any other cache deep-copied (sharing its buffers)."""
+def _compact_copy(cache: Any, keep: int | None = None) -> Any:
+    """A copy of `cache`: a plain KV cache at its length (or its first ``keep``
+    positions), in buffers of its own (`mlxserve.kernels.buffers`); any other cache
+    deep-copied (sharing its buffers)."""
     keys, values = getattr(cache, "keys", None), getattr(cache, "values", None)
     if type(cache) is not KVCache or keys is None or values is None:
         return copy.deepcopy(cache)
+    length = cache.offset if keep is None else min(keep, cache.offset)
     out = KVCache()  # type: ignore[no-untyped-call]
-    out.keys, out.values = own_buffers(
-        [keys[..., : cache.offset, :], values[..., : cache.offset, :]]
-    )
-    out.offset = cache.offset
+    out.keys, out.values = own_buffers([keys[..., :length, :], values[..., :length, :]])
+    out.offset = length
     return out
 
 
@@ -228,17 +223,30 @@ class PlainAdapter:
         return copy
 
     def trimmed(self, state: ModelState, keep: int) -> PlainState | None:
-        """`snapshot`, less the positions after ``keep`` (mlx-lm's cache trimming)."""
+        """`snapshot` of the first ``keep`` positions: plain KV caches copied at that
+        length (not the entry's: a short shared start of a long entry holds only
+        itself), other caches copied and trimmed (mlx-lm's ``trim``); None where a
+        cache cannot drop the rest exactly."""
         assert isinstance(state, PlainState)
-        drop = state.offset - keep
-        if drop < 0 or not can_trim_prompt_cache(state.cache):
+        if keep > state.offset or not can_trim_prompt_cache(state.cache):
             return None
-        copy = self.snapshot(state)
-        try:
-            dropped: Any = trim_prompt_cache(copy.cache, drop)  # an int (typed as a list)
-        except ValueError:  # caches that trim only within a margin (DeepSeek-V4's) refuse
-            return None
-        return copy if dropped == drop else None
+        caches = []
+        for cache in state.cache:
+            kept = _compact_copy(cache, keep)
+            offset = getattr(kept, "offset", None)
+            if not isinstance(offset, int) or offset < keep:
+                return None  # a cache without one position count (a list of caches)
+            drop = offset - keep
+            try:
+                dropped = kept.trim(drop) if drop > 0 else 0
+            except ValueError:  # caches that trim only within a margin (DeepSeek-V4's)
+                return None
+            if dropped != drop:
+                return None
+            caches.append(kept)
+        trimmed = PlainState(caches)
+        mx.eval([c.state for c in trimmed.cache])  # as `snapshot`: not the source's buffers
+        return trimmed
 
     def compact(self, state: ModelState) -> None:
         assert isinstance(state, PlainState)

@@ -106,3 +106,61 @@ def test_a_short_shared_start_or_an_exact_prefix_is_not_trimmed(llama_model: Mod
     assert hit is not None and hit[1] == len(entry)
     assert shared_length(np.array([1, 2, 3]), np.array([1, 2, 4, 5])) == 2
     assert shared_length(np.array([1, 2]), np.array([1, 2, 4])) == 2
+
+
+def test_a_short_start_of_a_long_entry_holds_only_itself(llama_model: Module) -> None:
+    """The trimmed copy is the shared start's size, not the entry's: a system prompt
+    reused from a long conversation does not carry the conversation along."""
+    adapter = PlainAdapter(llama_model)
+    cache = PrefixCache(adapter, max_entries=4, max_bytes=1 << 30)
+    long_entry = tuple((3 * i) % 50 + 3 for i in range(400))
+    cache.store(long_entry, _prefilled(adapter, list(long_entry), reserve=0))
+    hit = cache.lookup((*long_entry[:40], 99, 98, 97))
+    assert hit is not None
+    state, cached = hit
+    assert cached == 40 == state.offset
+    assert adapter.nbytes(state) == 40 * BYTES_PER_POSITION
+
+
+def _tiny_sliding(window: int) -> Module:
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(3)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        head_dim=16,
+        vocab_size=97,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=16,
+        sliding_window=window,
+        sliding_window_pattern=2,
+    )
+    model = gemma3_text.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_a_sliding_window_trims_only_before_it_wraps() -> None:
+    """Its rotating cache keeps no positions from before the window: an entry past the
+    window cannot be cut back to a shared start (a miss, never a wrong state); one
+    within it can, and decodes as a fresh prefill."""
+    prompt = tuple((11 * i) % 90 + 3 for i in range(44))
+    other = (*prompt[:36], 50, 51, 52)
+    for window, reusable in ((16, False), (128, True)):
+        adapter = PlainAdapter(_tiny_sliding(window))
+        cache = PrefixCache(adapter, max_entries=4, max_bytes=1 << 30)
+        cache.store(prompt, _prefilled(adapter, list(prompt), reserve=0))
+        hit = cache.lookup(other)
+        if not reusable:
+            assert hit is None
+            continue
+        assert hit is not None and hit[1] == 36
+        state = hit[0]
+        adapter.prefill(state, list(other[36:-1]))
+        reused = adapter.step(state, mx.array(other[-1:]))
+        fresh = adapter.step(_prefilled(adapter, list(other[:-1]), 0), mx.array(other[-1:]))
+        assert mx.allclose(reused, fresh, atol=1e-5).item()
