@@ -7,9 +7,10 @@ the indexer and the attention) before the device has finished the first layer, s
 the device holds every encoded group's scores at once. On an H100, eight real-width
 layers at 100K held a 12.9 GB working set against 1.5 GB for one group's, and it grew
 with the context (4.7 GB at 4K, 8.7 GB at 32K), though the layers were already queued
-one at a time. MLX only throttles the host at its memory limit, far above what the
-docs predict. (The CPU backend runs the host at most a few operations ahead, so it
-never showed.)
+one at a time: nothing held the host back. (The CPU backend runs the host at most a
+few operations ahead, so it never showed.) With `InFlight`: 3.4 GB at 100K, the peak
+1.05x the docs' prediction at 4K, 32K and 100K (docs/engine.md, "On the GPU (H100,
+stop 31)").
 
 `InFlight` bounds it: each piece is queued (``mx.async_eval``) and the host then waits
 for the piece before it, so the device runs one piece while the host builds the
