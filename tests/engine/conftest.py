@@ -25,6 +25,30 @@ def tiny_llama(seed: int = 0, vocab: int = 97) -> Module:
     return model
 
 
+def tiny_sliding_gemma(window: int) -> Module:
+    """A two-layer gemma3: one sliding-window layer (a rotating cache of ``window``), one
+    global."""
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(3)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=2,
+        head_dim=16,
+        vocab_size=97,
+        num_key_value_heads=1,
+        query_pre_attn_scalar=16,
+        sliding_window=window,
+        sliding_window_pattern=2,
+    )
+    model = gemma3_text.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
 @pytest.fixture
 def llama_model() -> Module:
     return tiny_llama()

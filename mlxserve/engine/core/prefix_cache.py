@@ -61,45 +61,37 @@ class PrefixCache:
         """A private copy of the cached state that covers the most of ``prompt[:-1]``:
         the longest entry that prefixes it, or, where states trim, an entry's shared
         start (at least `MIN_SHARED_TOKENS`) when that is longer."""
-        best: tuple[int, ...] | None = None
-        for tokens in self._entries:
-            fits = len(tokens) < len(prompt) and prompt[: len(tokens)] == tokens
-            if fits and (best is None or len(tokens) > len(best)):
-                best = tokens
-        shared = self._shared_start(prompt, 0 if best is None else len(best))
-        if shared is not None:
-            self.hits += 1
-            return shared
-        if best is None:
-            self.misses += 1
-            return None
-        self.hits += 1
-        self._entries.move_to_end(best)
-        return self.adapter.snapshot(self._entries[best].state), len(best)
-
-    def _shared_start(
-        self, prompt: tuple[int, ...], longer_than: int
-    ) -> tuple[ModelState, int] | None:
-        """The trimmed copy of the entry sharing the longest start with ``prompt[:-1]``,
-        if longer than ``longer_than`` and `MIN_SHARED_TOKENS`, and the adapter trims."""
-        adapter = self.adapter
-        if not isinstance(adapter, SupportsTrim) or len(prompt) <= MIN_SHARED_TOKENS:
-            return None
-        wanted = np.asarray(prompt[:-1], dtype=np.int64)
-        floor = max(longer_than, MIN_SHARED_TOKENS - 1)
-        candidates = []
-        for key, entry in self._entries.items():
-            length = shared_length(entry.tokens, wanted)
-            if floor < length < len(key):
-                candidates.append((length, key))
-        # The longest first; one that cannot trim (a sliding window that wrapped)
-        # leaves the next its turn.
-        for length, key in sorted(candidates, key=lambda c: -c[0]):
-            trimmed = adapter.trimmed(self._entries[key].state, length)
-            if trimmed is not None:
+        for length, key, whole in self._covering(prompt):
+            entry = self._entries[key]
+            state = self.adapter.snapshot(entry.state) if whole else self._trimmed(entry, length)
+            if state is not None:  # a start that cannot trim leaves the next its turn
+                self.hits += 1
                 self._entries.move_to_end(key)
-                return trimmed, length
+                return state, length
+        self.misses += 1
         return None
+
+    def _covering(self, prompt: tuple[int, ...]) -> list[tuple[int, tuple[int, ...], bool]]:
+        """(tokens covered, key, whether the whole entry) of each entry that covers a
+        start of ``prompt[:-1]``, the most first (a whole entry before a trimmed one of
+        the same length: it needs no trim). A shared start counts only where the
+        adapter trims and it reaches `MIN_SHARED_TOKENS`."""
+        trims = isinstance(self.adapter, SupportsTrim) and len(prompt) > MIN_SHARED_TOKENS
+        wanted = np.asarray(prompt[:-1], dtype=np.int64) if trims else None
+        found = []
+        for key, entry in self._entries.items():
+            if len(key) < len(prompt) and prompt[: len(key)] == key:
+                found.append((len(key), key, True))
+            elif wanted is not None:
+                length = shared_length(entry.tokens, wanted)
+                if MIN_SHARED_TOKENS <= length < len(key):
+                    found.append((length, key, False))
+        return sorted(found, key=lambda c: (-c[0], not c[2]))
+
+    def _trimmed(self, entry: _Entry, length: int) -> ModelState | None:
+        adapter = self.adapter
+        assert isinstance(adapter, SupportsTrim)
+        return adapter.trimmed(entry.state, length)
 
     def store(self, tokens: tuple[int, ...], state: ModelState, owned: bool = False) -> None:
         """Keep a copy of ``state`` after ``tokens`` (``owned``: the state itself, which

@@ -15,6 +15,7 @@ from mlx.nn.layers.base import Module
 
 from mlxserve.engine.core.prefix_cache import MIN_SHARED_TOKENS, PrefixCache, shared_length
 from mlxserve.engine.runner.adapter import PlainAdapter, PlainState
+from tests.engine.conftest import tiny_sliding_gemma
 
 #: tiny_llama: 2 layers, 2 KV heads of 16, float32 keys and values
 BYTES_PER_POSITION = 2 * 2 * 2 * 16 * 4
@@ -122,28 +123,6 @@ def test_a_short_start_of_a_long_entry_holds_only_itself(llama_model: Module) ->
     assert adapter.nbytes(state) == 40 * BYTES_PER_POSITION
 
 
-def _tiny_sliding(window: int) -> Module:
-    from mlx_lm.models import gemma3_text
-
-    mx.random.seed(3)
-    args = gemma3_text.ModelArgs(
-        model_type="gemma3_text",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=2,
-        head_dim=16,
-        vocab_size=97,
-        num_key_value_heads=1,
-        query_pre_attn_scalar=16,
-        sliding_window=window,
-        sliding_window_pattern=2,
-    )
-    model = gemma3_text.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
 def test_a_sliding_window_trims_only_before_it_wraps() -> None:
     """Its rotating cache keeps no positions from before the window: an entry past the
     window cannot be cut back to a shared start (a miss, never a wrong state); one
@@ -151,7 +130,7 @@ def test_a_sliding_window_trims_only_before_it_wraps() -> None:
     prompt = tuple((11 * i) % 90 + 3 for i in range(44))
     other = (*prompt[:36], 50, 51, 52)
     for window, reusable in ((16, False), (128, True)):
-        adapter = PlainAdapter(_tiny_sliding(window))
+        adapter = PlainAdapter(tiny_sliding_gemma(window))
         cache = PrefixCache(adapter, max_entries=4, max_bytes=1 << 30)
         cache.store(prompt, _prefilled(adapter, list(prompt), reserve=0))
         hit = cache.lookup(other)
