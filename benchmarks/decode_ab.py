@@ -119,21 +119,18 @@ class Arm:
     def pipelined(self, steps: int) -> float:
         """``steps`` decode steps as the engine runs them (module docstring); seconds
         per step."""
+        from pipelined import pipelined_steps  # beside this file
 
-        def queued(feed: mx.array) -> mx.array:
-            choice = mx.argmax(self.model(feed, cache=self.stacked)[:, -1], axis=-1)
+        def greedy(feed: mx.array) -> mx.array:
+            choice = mx.argmax(self.model(feed, cache=self.stacked)[:, -1], axis=-1)[:, None]
             mx.async_eval(choice, [c.state for c in self.stacked])  # type: ignore[no-untyped-call]
             return choice
 
-        current = queued(mx.array([[t[-1]] for t in self.tokens]))  # the pipeline filled
-        began = time.perf_counter()
-        for _ in range(steps):
-            following = queued(current[:, None])
-            self._take(current.tolist())  # type: ignore[arg-type]
-            current = following
-        elapsed = time.perf_counter() - began
-        self._take(current.tolist())  # type: ignore[arg-type]
-        return elapsed / steps
+        first = mx.array([[t[-1]] for t in self.tokens])
+        seconds, read = pipelined_steps(greedy, first, steps)
+        for column in read[1:]:  # ``first`` is the last token already taken
+            self._take([row[0] for row in column])
+        return seconds
 
 
 def main() -> None:

@@ -252,6 +252,7 @@ def decode_steps(model: Any, rows: int, context: int, steps: int) -> tuple[float
     previous step's lazy greedy tokens and queued before those are read back, so the
     host builds step n + 1 while the device runs step n (mean over `steps`)."""
     from graph_nodes import prefilled_rows
+    from pipelined import pipelined_steps
 
     caches = prefilled_rows(model, rows, context, margin=0)
     per_layer: list[Any] = caches[0]
@@ -267,21 +268,13 @@ def decode_steps(model: Any, rows: int, context: int, steps: int) -> tuple[float
         mx.eval(model(tokens, per_layer), [c.state for c in per_layer])
         times.append(time.perf_counter() - start)
 
-    def queued(previous: mx.array) -> mx.array:
+    def greedy(previous: mx.array) -> mx.array:
         following = mx.argmax(model(previous, per_layer)[:, -1], axis=-1)[:, None]
         mx.async_eval(following, [c.state for c in per_layer])  # type: ignore[no-untyped-call]
         return following
 
-    current = queued(tokens)
-    for _ in range(2):  # the pipeline filled, the greedy graph compiled
-        current, read = queued(current), current
-        read.tolist()
-    start = time.perf_counter()
-    for _ in range(steps):
-        current, read = queued(current), current
-        read.tolist()
-    pipelined = (time.perf_counter() - start) / steps
-    current.tolist()
+    _, read = pipelined_steps(greedy, tokens, 2)  # the greedy graph compiled
+    pipelined, _ = pipelined_steps(greedy, mx.array(read[-1]), steps)
     return statistics.median(times[1:]), pipelined
 
 

@@ -342,23 +342,12 @@ def mlx_vlm_decode_nodes(model: Any, prompt: list[int]) -> dict[str, Any]:
 
 
 def hand_loop(step: Callable[[mx.array], mx.array], first: mx.array, tokens: int) -> dict[str, Any]:
-    """mlx-lm's decode loop: the next step is queued before the current token is read."""
-    y = first
-    mx.async_eval(y)  # type: ignore[no-untyped-call]
-    out: list[int] = []
-    started = 0.0
-    for n in range(tokens):
-        following = step(y)
-        mx.async_eval(following)  # type: ignore[no-untyped-call]
-        out.append(int(y.item()))  # type: ignore[arg-type]
-        if n == 0:
-            started = time.perf_counter()
-        y = following
-    return {
-        "decode_tok_s": (tokens - 1) / (time.perf_counter() - started),
-        "ttft_s": 0.0,
-        "tokens": out,
-    }
+    """mlx-lm's decode loop: the next step is queued before the current token is read
+    (`pipelined.pipelined_steps`); ``tokens`` tokens, ``first`` included."""
+    from pipelined import pipelined_steps  # beside this file
+
+    seconds, read = pipelined_steps(step, first, tokens - 1)
+    return {"decode_tok_s": 1 / seconds, "ttft_s": 0.0, "tokens": read[:tokens]}
 
 
 def loop_runners(ours: Any, theirs: Any, prompt: list[int], tokens: int) -> dict[str, Runner]:
