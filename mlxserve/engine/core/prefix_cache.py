@@ -76,7 +76,11 @@ class PrefixCache:
         start of ``prompt[:-1]``, the most first (a whole entry before a trimmed one of
         the same length: it needs no trim). A shared start counts only where the
         adapter trims and it reaches `MIN_SHARED_TOKENS`."""
-        trims = isinstance(self.adapter, SupportsTrim) and len(prompt) > MIN_SHARED_TOKENS
+        trims = (
+            bool(self._entries)
+            and isinstance(self.adapter, SupportsTrim)
+            and len(prompt) > MIN_SHARED_TOKENS
+        )
         wanted = np.asarray(prompt[:-1], dtype=np.int64) if trims else None
         found = []
         for key, entry in self._entries.items():
