@@ -7,8 +7,10 @@ ops (``hyper_connections.cuda_agrees``) and only says yes or no; this prints wha
 the check compares, output by output: the largest absolute difference of each of the
 kernel's outputs from the ops' (random rows, hc 4 or 2, hidden 32 to 4096, float32 and
 bfloat16), whether the model's check accepts it, and the latency of one call of each
-(evaluated per call, so launch and synchronisation included) against the ops'
-fused path and the block norm. It needs CUDA; elsewhere it says so and exits 2.
+(evaluated per call, so launch and synchronisation included; and chained, as a step
+queues them) against the ops' fused path and the block norm, with each row's dot
+products split between blocks as the kernel chooses and in one block (before stop
+32). It needs CUDA; elsewhere it says so and exits 2.
 
 Run: python benchmarks/hc_kernel.py [--calls 300]
 """
@@ -40,6 +42,7 @@ CASES = [
     (4, 4096, mx.bfloat16, mx.float32),
     (2, 32, mx.float32, mx.float32),
     (4, 64, mx.float32, mx.float32),
+    (4, 200, mx.bfloat16, mx.float32),  # a row's last block holds fewer channels
 ]
 ITERS = 20
 OUTPUTS = ["y", "post", "comb", "new_streams", "y2", "post2", "comb2"]
@@ -70,15 +73,18 @@ def make(
     return block, norm, streams, out
 
 
-def differences(hc_mult: int, dim: int, dtype: Any, weight_dtype: Any) -> dict[str, Any]:
-    """Each output's largest difference from the ops, and the model's verdict."""
+def differences(
+    hc_mult: int, dim: int, dtype: Any, weight_dtype: Any, split: int | None = None
+) -> dict[str, Any]:
+    """Each output's largest difference from the ops, and the model's verdict; the
+    kernel's rows split between ``split`` blocks (the kernel's own choice if None)."""
     block, norm, streams, out = make(hc_mult, dim, dtype, weight_dtype)
     block.compiled_max_rows = 0  # the ops
     mix, weight, consts, out_dtype = block._kernel_parts(norm, streams)
-    ours = kernel.enter(streams, mix, weight, consts, out_dtype, ITERS)
+    ours = kernel.enter(streams, mix, weight, consts, out_dtype, ITERS, split)
     theirs = block.enter(streams, norm)
     ours_next = kernel.leave_enter(
-        out, streams, theirs[1], theirs[2], mix, weight, consts, out_dtype, ITERS
+        out, streams, theirs[1], theirs[2], mix, weight, consts, out_dtype, ITERS, split
     )
     theirs_next = block.leave_enter(out, streams, theirs[1], theirs[2], block, norm)
     worst = {
@@ -87,7 +93,11 @@ def differences(hc_mult: int, dim: int, dtype: Any, weight_dtype: Any) -> dict[s
     }
     hc.cuda_agrees.cache_clear()
     agrees = hc.cuda_agrees(block.constants, ITERS, dim, dtype, weight_dtype)
-    return {"max_abs_difference": worst, "model_check_agrees": agrees}
+    return {
+        "blocks_per_row": kernel.blocks_per_row(dim) if split is None else split,
+        "max_abs_difference": worst,
+        "model_check_agrees": agrees,
+    }
 
 
 def latency_us(call: Callable[[], Any], calls: int) -> float:
@@ -102,15 +112,44 @@ def latency_us(call: Callable[[], Any], calls: int) -> float:
     return times[len(times) // 2] * 1e6
 
 
+def queued_us(step: Callable[[Any], Any], first: Any, calls: int) -> float:
+    """Microseconds per call of ``calls`` calls chained (each fed the last one's
+    outputs) and evaluated once, as a decode step queues them: the device's time
+    per call without the host's wait for each (median of 5 chains)."""
+    mx.eval(step(first))
+    times = []
+    for _ in range(5):
+        state = first
+        began = time.perf_counter()
+        for _ in range(calls):
+            state = step(state)
+        mx.eval(state)
+        times.append((time.perf_counter() - began) / calls)
+    times.sort()
+    return times[2] * 1e6
+
+
 def latencies(dim: int, rows: int, calls: int) -> dict[str, float]:
-    """The kernel's calls against the ops' fused path (bfloat16 streams and norm)."""
+    """The kernel's calls (its rows split as it chooses, and one block per row, as
+    before stop 32) against the ops' fused path (bfloat16 streams and norm)."""
     block, norm, streams, out = make(4, dim, mx.bfloat16, mx.bfloat16, rows)
     block.compiled_max_rows = 64
     mix, weight, consts, dtype = block._kernel_parts(norm, streams)
 
-    def kernel_both() -> Any:
-        _, post, comb = kernel.enter(streams, mix, weight, consts, dtype, ITERS)
-        return kernel.leave_enter(out, streams, post, comb, mix, weight, consts, dtype, ITERS)
+    def kernel_both(split: int | None) -> Any:
+        _, post, comb = kernel.enter(streams, mix, weight, consts, dtype, ITERS, split)
+        return kernel.leave_enter(
+            out, streams, post, comb, mix, weight, consts, dtype, ITERS, split
+        )
+
+    def chained(split: int | None) -> Callable[[Any], Any]:
+        def step(state: Any) -> Any:
+            now, _, post, comb = state
+            return kernel.leave_enter(
+                out, now, post, comb, mix, weight, consts, dtype, ITERS, split
+            )
+
+        return step
 
     def ops_enter() -> Any:
         x, post, comb = block.enter(streams)  # the fused ops, then the block norm
@@ -122,13 +161,23 @@ def latencies(dim: int, rows: int, calls: int) -> dict[str, float]:
         x, post, comb = block.enter(new)
         return new, norm(x), post, comb
 
+    first = kernel_both(1)
     return {
+        "blocks_per_row": kernel.blocks_per_row(dim),
         "kernel_enter": latency_us(
             lambda: kernel.enter(streams, mix, weight, consts, dtype, ITERS), calls
         ),
+        "kernel_enter_one_block_per_row": latency_us(
+            lambda: kernel.enter(streams, mix, weight, consts, dtype, ITERS, 1), calls
+        ),
         "ops_enter_and_norm": latency_us(ops_enter, calls),
-        "kernel_enter_then_leave_enter": latency_us(kernel_both, calls),
+        "kernel_enter_then_leave_enter": latency_us(lambda: kernel_both(None), calls),
+        "kernel_enter_then_leave_enter_one_block_per_row": latency_us(
+            lambda: kernel_both(1), calls
+        ),
         "ops_enter_leave_enter_and_norm": latency_us(ops_both, calls),
+        "leave_enter_queued": queued_us(chained(None), first, 64),
+        "leave_enter_queued_one_block_per_row": queued_us(chained(1), first, 64),
     }
 
 
@@ -143,8 +192,12 @@ def main() -> None:
     for hc_mult, dim, dtype, weight_dtype in CASES:
         name = f"hc{hc_mult}_hidden{dim}_{dtype}_{weight_dtype}".replace("mlx.core.", "")
         result[name] = differences(hc_mult, dim, dtype, weight_dtype)
+        if kernel.blocks_per_row(dim) > 1:
+            result[name + "_one_block_per_row"] = differences(
+                hc_mult, dim, dtype, weight_dtype, split=1
+            )
     for dim in (512, 4096):
-        for rows in (1, 4):
+        for rows in (1, 4, 16):
             result[f"latency_us_hidden{dim}_rows{rows}"] = latencies(dim, rows, args.calls)
     result["device"] = benchmark_device()
     print(json.dumps(result, indent=1))

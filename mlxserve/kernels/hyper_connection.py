@@ -6,15 +6,21 @@ strings of ``pre``, ``post`` and the comb, the Sinkhorn and the block's RMSNorm:
 six kernels at the least, two of them a matmul and a Sinkhorn of a handful of
 values each. On a GPU a small decode step is bound by such launches (issue #31).
 Every one of them works on one row of the streams at a time (a row: one token of
-one sequence), so one thread block per row does them all:
+one sequence). The dot products read the mix's weights (1.6 MB at hidden 4096), so
+a row's channels are split between `blocks_per_row` blocks; the last of them to
+finish does the rest of the row:
 
-1. the row's stream values (with ``leave_enter``: first the previous block's exit,
-   ``post_i * out + sum_j comb_ji * stream_j``, written out as the new streams);
+1. each block's channels of the row: the stream values (with ``leave_enter``: first
+   the previous block's exit, ``post_i * out + sum_j comb_ji * stream_j``, written
+   out as the new streams);
 2. their sum of squares and their dot products with each of the mix's columns,
-   reduced over the block;
-3. on one thread, the mix (the RMSNorm's scale applied to the dot products), its
-   scale and base, ``pre`` and ``post`` (sigmoids), the comb's softmax and the
-   Sinkhorn iterations, in the order of the ops;
+   reduced over the block and written as the block's partial sums; a counter per
+   row (zeroed at launch) tells the last block that the others' sums are written;
+3. in the last block, the partial sums added in block order (so the result does not
+   depend on which block came last), then on one thread the mix (the RMSNorm's
+   scale applied to the dot products), its scale and base, ``pre`` and ``post``
+   (sigmoids), the comb's softmax and the Sinkhorn iterations, in the order of the
+   ops;
 4. the collapse ``sum_i pre_i * stream_i`` in the streams' dtype, its sum of
    squares reduced over the block, and the block's RMSNorm with its weight.
 
@@ -34,8 +40,11 @@ import mlx.core as mx
 
 from mlxserve.hardware.device import on_cuda
 
-#: Threads of the block that handles one row.
-THREADS = 256
+#: Threads of each block; a row's channels are split between blocks of this many.
+THREADS = 128
+
+#: The most blocks one row's dot products are split between.
+MAX_BLOCKS_PER_ROW = 64
 
 _REDUCE = """
     // Sum ``vals[0 .. COUNT)`` over the block; the totals end up in ``vals`` on
@@ -80,24 +89,33 @@ __device__ float mlxserve_sigmoid(float x) {
 """
 )
 
-# The body of both kernels; {streams} is the code that loads (and, leaving, first
-# computes and writes) a row's stream values sv[HC] at channel d.
+# The body of both kernels. {streams} loads a row's stream values sv[HC] at channel
+# d (and, leaving, first computes them and writes them out as the new streams);
+# {streams_again} loads them again in the row's last block without writing.
 _BODY = """
     constexpr int M = (2 + HC) * HC;
     constexpr int K = HC * D;
+    constexpr int CHUNK = (D + SPLIT - 1) / SPLIT;
     __shared__ float red[32][M + 1];
+    __shared__ float total[M + 1];
     __shared__ float pre_s[HC];
     __shared__ float scal[2];
-    const int row = blockIdx.x;
+    __shared__ int is_last;
+    const int row = blockIdx.x / SPLIT;
+    const int part = blockIdx.x % SPLIT;
     const int tid = threadIdx.x;
     const T* s_in = streams + (size_t)row * K;
+    const int first = part * CHUNK;
+    const int stop = min(D, first + CHUNK);
 
-    // 1-2: the stream values, their sum of squares and dot products with fn.
+    // 1-2: this block's channels of the row: the stream values, their sum of
+    // squares and dot products with fn, reduced over the block into the row's
+    // partial sums.
     float acc[M + 1];
     for (int m = 0; m <= M; ++m) {
         acc[m] = 0.0f;
     }
-    for (int d = tid; d < D; d += blockDim.x) {
+    for (int d = first + tid; d < stop; d += blockDim.x) {
         float sv[HC];
         {streams}
         for (int i = 0; i < HC; ++i) {
@@ -109,16 +127,39 @@ _BODY = """
         }
     }
     block_sum<M + 1>(acc, red, tid);
+    if (tid == 0) {
+        for (int m = 0; m <= M; ++m) {
+            partials[((size_t)row * SPLIT + part) * (M + 1) + m] = acc[m];
+        }
+        __threadfence();
+        is_last = atomicAdd(&counter[row], 1) == SPLIT - 1;
+    }
+    __syncthreads();
+    if (!is_last) {
+        return;
+    }
+    // The row's last block to finish: the other blocks' partial sums are written
+    // (each fenced them before counting itself); read past the L1 cache, in the
+    // order of the parts, so the sums do not depend on which block came last.
+    __threadfence();
+    for (int m = tid; m <= M; m += blockDim.x) {
+        float v = 0.0f;
+        for (int p = 0; p < SPLIT; ++p) {
+            v += __ldcg(&partials[((size_t)row * SPLIT + p) * (M + 1) + m]);
+        }
+        total[m] = v;
+    }
+    __syncthreads();
 
     // 3: the mix, pre, post and the comb with its Sinkhorn, on one thread.
     if (tid == 0) {
         const float norm_eps = consts[0];
         const float hc_eps = consts[1];
-        const float r = rsqrtf(acc[0] / (float)K + norm_eps);
+        const float r = rsqrtf(total[0] / (float)K + norm_eps);
         float mix[M];
         for (int m = 0; m < M; ++m) {
             const float s = scale[m < HC ? 0 : (m < 2 * HC ? 1 : 2)];
-            mix[m] = (acc[1 + m] * r) * s + base[m];
+            mix[m] = (total[1 + m] * r) * s + base[m];
         }
         for (int i = 0; i < HC; ++i) {
             pre_s[i] = mlxserve_sigmoid(mix[i]) + hc_eps;
@@ -130,13 +171,13 @@ _BODY = """
             for (int j = 1; j < HC; ++j) {
                 top = fmaxf(top, mix[2 * HC + i * HC + j]);
             }
-            float total = 0.0f;
+            float sum = 0.0f;
             for (int j = 0; j < HC; ++j) {
                 c[i][j] = expf(mix[2 * HC + i * HC + j] - top);
-                total += c[i][j];
+                sum += c[i][j];
             }
             for (int j = 0; j < HC; ++j) {
-                c[i][j] = c[i][j] / total + hc_eps;
+                c[i][j] = c[i][j] / sum + hc_eps;
             }
         }
         for (int it = 0; it < ITERS; ++it) {
@@ -171,13 +212,15 @@ _BODY = """
     }
     __syncthreads();
 
-    // 4: the collapse in the streams' dtype, then the block's RMSNorm.
-    const T* s_now = {now} + (size_t)row * K;
+    // 4: the collapse in the streams' dtype over the whole row, then the block's
+    // RMSNorm.
     float sq[1] = {0.0f};
     for (int d = tid; d < D; d += blockDim.x) {
-        float x = pre_s[0] * (float)s_now[d];
+        float sv[HC];
+        {streams_again}
+        float x = pre_s[0] * sv[0];
         for (int i = 1; i < HC; ++i) {
-            x = x + pre_s[i] * (float)s_now[i * D + d];
+            x = x + pre_s[i] * sv[i];
         }
         const float xo = (float)(Y)(T)x;
         sq[0] += xo * xo;
@@ -189,9 +232,11 @@ _BODY = """
     __syncthreads();
     const float normalizer = scal[0];
     for (int d = tid; d < D; d += blockDim.x) {
-        float x = pre_s[0] * (float)s_now[d];
+        float sv[HC];
+        {streams_again}
+        float x = pre_s[0] * sv[0];
         for (int i = 1; i < HC; ++i) {
-            x = x + pre_s[i] * (float)s_now[i * D + d];
+            x = x + pre_s[i] * sv[i];
         }
         const float xo = (float)(Y)(T)x;
         const float xn = xo * normalizer;
@@ -217,10 +262,12 @@ _LEAVE_STREAMS = """
                 v = v + comb_in[(size_t)row * HC * HC + j * HC + i] * (float)s_in[j * D + d];
             }
             const T t = (T)v;
-            new_streams[(size_t)row * K + i * D + d] = t;
+            {write}
             sv[i] = (float)t;
         }
 """
+
+_WRITE = "new_streams[(size_t)row * K + i * D + d] = t;"
 
 _PARAMETERS = ["fn", "scale", "base", "weight", "consts"]
 
@@ -230,21 +277,31 @@ def available() -> bool:
     return on_cuda()
 
 
+def blocks_per_row(dim: int) -> int:
+    """How many thread blocks share one row's dot products: one channel per thread,
+    at most `MAX_BLOCKS_PER_ROW`. One block per row left a decode step's kernel on
+    one of the GPU's 132 SMs, reading the mix's 1.6 MB at a real width's hidden 4096
+    at about 10 GB/s (0.16 ms; ``decode_parts_h100_stop30.json``)."""
+    return max(1, min(MAX_BLOCKS_PER_ROW, -(-dim // THREADS)))
+
+
 @cache
 def _kernel(leave: bool) -> Any:
     """Built on first use: nothing is compiled at import, nor on a machine without CUDA."""
     if leave:
         inputs = ["block_out", "streams", "post_in", "comb_in", *_PARAMETERS]
         outputs = ["new_streams", "y", "post", "comb"]
-        body = _BODY.replace("{streams}", _LEAVE_STREAMS).replace("{now}", "new_streams")
+        body = _BODY.replace("{streams}", _LEAVE_STREAMS.replace("{write}", _WRITE))
+        body = body.replace("{streams_again}", _LEAVE_STREAMS.replace("{write}", ""))
     else:
         inputs = ["streams", *_PARAMETERS]
         outputs = ["y", "post", "comb"]
-        body = _BODY.replace("{streams}", _ENTER_STREAMS).replace("{now}", "streams")
+        body = _BODY.replace("{streams}", _ENTER_STREAMS)
+        body = body.replace("{streams_again}", _ENTER_STREAMS)
     return mx.fast.cuda_kernel(
         name="mlxserve_hc_leave_enter" if leave else "mlxserve_hc_enter",
         input_names=inputs,
-        output_names=outputs,
+        output_names=[*outputs, "partials", "counter"],
         source=body,
         header=_HEADER,
     )
@@ -256,9 +313,11 @@ def _launch(
     streams: mx.array,
     out_dtype: mx.Dtype,
     iters: int,
+    split: int | None,
 ) -> list[mx.array]:
     batch, length, hc, dim = streams.shape
     rows = batch * length
+    split = blocks_per_row(dim) if split is None else split
     shapes: list[tuple[int, ...]] = [
         (batch, length, dim),
         (batch, length, hc),
@@ -268,6 +327,9 @@ def _launch(
     if leave:
         shapes.insert(0, tuple(streams.shape))
         dtypes.insert(0, streams.dtype)
+    # each block's partial sums, and how many of a row's blocks have written theirs
+    shapes += [(rows * split * ((2 + hc) * hc + 1),), (rows,)]
+    dtypes += [mx.float32, mx.int32]
     outputs: list[mx.array] = _kernel(leave)(
         inputs=inputs,
         template=[
@@ -276,15 +338,17 @@ def _launch(
             ("HC", hc),
             ("D", dim),
             ("ITERS", iters),
+            ("SPLIT", split),
             # inputs end with the block norm's weight and the epsilons (`_PARAMETERS`)
             ("ROUND_TWICE", inputs[-2].dtype == out_dtype),
         ],
-        grid=(rows * THREADS, 1, 1),
+        grid=(rows * split * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=shapes,
         output_dtypes=dtypes,
+        init_value=0,  # the counters start at 0
     )
-    return outputs
+    return outputs[:-2]
 
 
 def enter(
@@ -294,14 +358,16 @@ def enter(
     consts: mx.array,
     out_dtype: mx.Dtype,
     iters: int,
+    split: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array]:
     """(the block's normalised input [B, S, D], post [B, S, hc], comb [B, S, hc, hc])
     from the streams [B, S, hc, D]; ``mix`` the hyper-connection's (fn, scale, base),
     ``weight`` the block norm's, ``consts`` float32 [the flat RMSNorm's eps, hc_eps,
-    the block norm's eps], ``out_dtype`` the block norm's output dtype."""
+    the block norm's eps], ``out_dtype`` the block norm's output dtype; ``split`` the
+    blocks per row (`blocks_per_row` unless given: the benchmark compares)."""
     fn, scale, base = mix
     inputs = [streams, fn, scale, base, weight, consts]
-    y, post, comb = _launch(False, inputs, streams, out_dtype, iters)
+    y, post, comb = _launch(False, inputs, streams, out_dtype, iters, split)
     return y, post, comb
 
 
@@ -315,13 +381,14 @@ def leave_enter(
     consts: mx.array,
     out_dtype: mx.Dtype,
     iters: int,
+    split: int | None = None,
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """A block's exit (``post``, ``comb`` its entry's) and the next one's `enter`:
     (the new streams, the next block's normalised input, its post, its comb)."""
     fn, scale, base = mix
     inputs = [block_out, streams, post, comb, fn, scale, base, weight, consts]
-    new, y, post2, comb2 = _launch(True, inputs, streams, out_dtype, iters)
+    new, y, post2, comb2 = _launch(True, inputs, streams, out_dtype, iters, split)
     return new, y, post2, comb2
 
 
-__all__ = ["THREADS", "available", "enter", "leave_enter"]
+__all__ = ["MAX_BLOCKS_PER_ROW", "THREADS", "available", "blocks_per_row", "enter", "leave_enter"]

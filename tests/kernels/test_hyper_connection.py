@@ -101,3 +101,12 @@ def test_a_decoder_layer_is_unchanged_by_the_norms_moving_into_enter() -> None:
     out = layer.ffn(layer.ffn_norm(x), tokens)
     theirs = layer.hc_ffn.leave(out, mid, post, comb)
     assert mx.array_equal(ours, theirs)
+
+
+def test_a_rows_channels_are_split_one_per_thread_between_bounded_blocks() -> None:
+    threads, most = hyper_connection.THREADS, hyper_connection.MAX_BLOCKS_PER_ROW
+    assert hyper_connection.blocks_per_row(32) == 1
+    assert hyper_connection.blocks_per_row(threads) == 1
+    assert hyper_connection.blocks_per_row(threads + 1) == 2
+    assert hyper_connection.blocks_per_row(4096) == -(-4096 // threads)
+    assert hyper_connection.blocks_per_row(threads * most * 4) == most

@@ -1,0 +1,160 @@
+"""Where a decode step's time goes on the host: building its graph, handing it to the
+device, and waiting; one JSON.
+
+A plain decode step of the Flash-shaped model is bound by the host on a GPU (stop 25:
+host 42 ms of a 47 ms step on an H100), and queuing step n + 1 before reading step n
+(as the engine and mlx-lm decode) made it slower there, not faster (60.8 against 46.9
+ms; stop 32: 33.8 against 24.3). This times one model's greedy decode steps four
+ways, in turns, in one process:
+
+- ``synced``: built, queued (``mx.async_eval``) and waited for, one at a time; its
+  parts: ``build`` (the Python forward making the lazy graph), ``queue`` (the
+  ``async_eval`` call: MLX encoding the graph's kernels and launching them) and
+  ``wait`` (until the token can be read);
+- ``pipelined``: each step built from the last one's lazy token and queued before that
+  token is read (`pipelined.pipelined_steps`), with the same three parts;
+- ``built_ahead``: step n + 1's graph built while step n runs, but queued only after
+  step n's token is read.
+
+MLX's CUDA back-end commits a CUDA graph every ``MLX_MAX_OPS_PER_BUFFER`` kernels (a
+small default); run this under several values to see what the commits cost.
+
+Run: python benchmarks/step_modes.py [--model flash|real] [--layers 43] [--rows 1]
+         [--context 300] [--steps 8] [--rounds 5] [--dense mxfp8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
+from mlxserve.hardware.probe import benchmark_device
+
+
+class Timer:
+    """Seconds spent in each named part, summed."""
+
+    def __init__(self) -> None:
+        self.parts: dict[str, float] = {"build": 0.0, "queue": 0.0, "wait": 0.0}
+
+    def run(self, part: str, call: Callable[..., Any], *args: Any) -> Any:
+        began = time.perf_counter()
+        out = call(*args)
+        self.parts[part] += time.perf_counter() - began
+        return out
+
+
+def decode_modes(model: Any, rows: int, context: int, steps: int) -> dict[str, Any]:
+    """One round of each mode: milliseconds per step, whole and by part."""
+    from graph_nodes import prefilled_rows  # beside this file
+
+    caches = prefilled_rows(model, rows, context, margin=0)
+    per_layer: list[Any] = caches[0]
+    if rows > 1:
+        per_layer = [
+            type(caches[0][i]).stack([c[i] for c in caches]) for i in range(len(model.layers))
+        ]
+        mx.eval([c.state for c in per_layer])
+
+    def build(tokens: mx.array) -> mx.array:
+        return mx.argmax(model(tokens, per_layer)[:, -1], axis=-1)[:, None]
+
+    def queue(out: mx.array) -> None:
+        mx.async_eval(out, [c.state for c in per_layer])  # type: ignore[no-untyped-call]
+
+    first = mx.array([[(17 * r + 5) % model.args.vocab_size] for r in range(rows)])
+    result: dict[str, Any] = {}
+
+    timer = Timer()
+    current = first
+    began = time.perf_counter()
+    for _ in range(steps):
+        out = timer.run("build", build, current)
+        timer.run("queue", queue, out)
+        current = mx.array(timer.run("wait", out.tolist))
+    result["synced"] = _report(time.perf_counter() - began, timer, steps)
+
+    timer = Timer()
+    current = build(first)
+    queue(current)
+    began = time.perf_counter()
+    for _ in range(steps):
+        following = timer.run("build", build, current)
+        timer.run("queue", queue, following)
+        timer.run("wait", current.tolist)
+        current = following
+    elapsed = time.perf_counter() - began
+    current.tolist()
+    result["pipelined"] = _report(elapsed, timer, steps)
+
+    timer = Timer()
+    current = build(first)
+    queue(current)
+    began = time.perf_counter()
+    for _ in range(steps):
+        following = timer.run("build", build, current)
+        timer.run("wait", current.tolist)
+        timer.run("queue", queue, following)
+        current = following
+    elapsed = time.perf_counter() - began
+    current.tolist()
+    result["built_ahead"] = _report(elapsed, timer, steps)
+    return result
+
+
+def _report(elapsed: float, timer: Timer, steps: int) -> dict[str, float]:
+    out = {"step_ms": elapsed / steps * 1e3}
+    out.update({f"{part}_ms": s / steps * 1e3 for part, s in timer.parts.items()})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["flash", "real"], default="flash")
+    parser.add_argument("--layers", type=int, default=43)
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--context", type=int, default=300, help="prefilled tokens per row")
+    parser.add_argument("--steps", type=int, default=8, help="steps per mode per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dense", choices=["mxfp8", "float"], default="mxfp8")
+    args = parser.parse_args()
+    configure_cuda_graphs()  # as the CLI does, before any device work
+    if args.model == "flash":
+        from mtp_cost import flash_shaped  # beside this file
+
+        model = flash_shaped(args.layers, 512, 64, 8192, dense=args.dense)
+    else:
+        from real_width import build  # beside this file
+
+        model = build(args.layers)
+    decode_modes(model, args.rows, args.context, 2)  # compilations, first uses
+    rounds = [decode_modes(model, args.rows, args.context, args.steps) for _ in range(args.rounds)]
+    medians = {
+        mode: {key: statistics.median(r[mode][key] for r in rounds) for key in rounds[0][mode]}
+        for mode in rounds[0]
+    }
+    result = {
+        "benchmark": "step_modes",
+        "model": args.model,
+        "layers": args.layers,
+        "rows": args.rows,
+        "context": args.context,
+        "dense_projections": args.dense if args.model == "flash" else "real_width",
+        "max_ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
+        "median_ms": medians,
+        "rounds": rounds,
+        "device": benchmark_device(),
+    }
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
