@@ -21,12 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 from serve import GENERIC, build_generic
+from servers import free_port, mlxserve
 
 from mlxserve.channel.request import GenerationParams, SamplingParams
 from mlxserve.config import load_settings
@@ -52,6 +55,55 @@ def kernel_files() -> set[str]:
 def prompt_of(length: int, vocab: int, salt: int) -> tuple[int, ...]:
     """A prompt of ``length`` ids that shares no start with the others (no cache hit)."""
     return tuple((7919 * (i + 1) + 104729 * salt) % (vocab - 2) + 1 for i in range(length))
+
+
+def first_chunk_ms(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[float, float]:
+    """(milliseconds to the first chunk with content, to the end) of a streamed chat."""
+    began = time.perf_counter()
+    first = None
+    with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"chat request failed: {response.status_code} {response.read()!r}")
+        for line in response.iter_lines():
+            if first is None and line.startswith("data: {") and '"content"' in line:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return ((first or end) - began) * 1e3, (end - began) * 1e3
+
+
+def through_server(model_dir: Path, lengths: list[int], max_tokens: int) -> list[dict[str, Any]]:
+    """Streamed, sampled chat requests to a fresh `mlxserve serve`, one at a time."""
+    server = mlxserve(str(model_dir), free_port())
+    try:
+        server.wait_ready()
+        out = []
+        with httpx.Client(timeout=120) as client:
+            for index, length in enumerate(lengths):
+                words = " ".join(f"w{index}x{i}" for i in range(length))
+                body = {  # as GuideLLM sends them (docs/compatibility.md)
+                    "model": str(model_dir),
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": words}]}],
+                    "max_completion_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                }
+                seen = kernel_files()
+                ttft, total = first_chunk_ms(client, server.url, body)
+                out.append(
+                    {
+                        "words": length,
+                        "ttft_ms": ttft,
+                        "total_ms": total,
+                        "kernels_compiled": sorted(kernel_files() - seen),
+                    }
+                )
+        return out
+    except Exception:
+        print(server.tail(), file=sys.stderr)
+        raise
+    finally:
+        server.stop()
 
 
 def main() -> None:
@@ -97,6 +149,8 @@ def main() -> None:
                 }
             )
             seen = now
+        del engine, loaded
+        served = through_server(model_dir, lengths, args.max_tokens)
     result = {
         "benchmark": "first_request",
         "model": args.generic,
@@ -104,6 +158,7 @@ def main() -> None:
         "kernels_compiled_by_warm_up": len(after_warm_up - before),
         "ptx_cache": os.environ.get("MLX_PTX_CACHE_DIR"),
         "requests": requests,
+        "server_chat_requests": served,
         "device": benchmark_device(),
     }
     print(json.dumps(result, indent=1))

@@ -70,6 +70,17 @@ def inherited_env() -> dict[str, str]:
     }
 
 
+async def open_a_task_group() -> None:
+    """Open and close one anyio task group, at start-up. Starlette streams every
+    response inside one, and anyio imports its asyncio back-end when the first is
+    opened: about 15 ms on the project's CPU, which the first streamed request's
+    time to first token paid (`benchmarks/first_request.py`)."""
+    import anyio  # starlette's own foundation
+
+    async with anyio.create_task_group():
+        pass
+
+
 def build_backends(settings: Settings, tokenizer: FrontTokenizer) -> list[Backend]:
     """The primary and the fallbacks; the local engines share one record of the front's
     event-loop pauses (`mlxserve.reliability.hang.LoopPauses`)."""
@@ -282,6 +293,7 @@ class Runtime:
         )
 
     async def start(self) -> None:
+        await open_a_task_group()
         await self.supervisor.start()
         self._history_task = asyncio.create_task(self.history.run(), name="status-history")
 
