@@ -37,6 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.hardware.tuning import default_tuning
 
@@ -146,6 +147,9 @@ def main() -> None:
     parser.add_argument("--dense", choices=DENSE_FORMATS, default="float")
     parser.add_argument("--no-plain", action="store_true", help="leave out the plain arm")
     args = parser.parse_args()
+    # As the CLI does, before any device work: without it a 43-layer step ran with
+    # MLX's own graph cache, which thrashes (stop 32's first two runs, and stop 28's).
+    configure_cuda_graphs()
     if not (args.baseline / "__init__.py").is_file():
         print(f"decode_ab: {args.baseline} holds no package (__init__.py)", file=sys.stderr)
         raise SystemExit(2)

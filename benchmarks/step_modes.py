@@ -19,7 +19,7 @@ ways, in turns, in one process:
 MLX's CUDA back-end commits a CUDA graph every ``MLX_MAX_OPS_PER_BUFFER`` kernels (a
 small default); run this under several values to see what the commits cost.
 
-Run: python benchmarks/step_modes.py [--model flash|real] [--layers 43] [--rows 1]
+Run: python benchmarks/step_modes.py [--model flash|real|generic] [--layers 43] [--rows 1]
          [--context 300] [--steps 8] [--rounds 5] [--dense mxfp8]
 """
 
@@ -52,11 +52,27 @@ class Timer:
         return out
 
 
-def decode_modes(model: Any, rows: int, context: int, steps: int) -> dict[str, Any]:
-    """One round of each mode: milliseconds per step, whole and by part."""
+def prefilled(model: Any, rows: int, context: int) -> list[list[Any]]:
+    """`rows` caches, each prefilled with `context` random tokens: DeepSeek-V4's own
+    (`graph_nodes.prefilled_rows`), or mlx-lm's for a generic model."""
     from graph_nodes import prefilled_rows  # beside this file
 
-    caches = prefilled_rows(model, rows, context, margin=0)
+    if hasattr(model, "forward_hidden"):  # mlxserve's DeepSeek-V4
+        return prefilled_rows(model, rows, context, margin=0)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = []
+    for row in range(rows):
+        cache = make_prompt_cache(model)
+        prompt = mx.random.randint(0, model.args.vocab_size, (1, context), key=mx.random.key(row))
+        mx.eval(model(prompt, cache=cache), [c.state for c in cache])
+        caches.append(cache)
+    return caches
+
+
+def decode_modes(model: Any, rows: int, context: int, steps: int) -> dict[str, Any]:
+    """One round of each mode: milliseconds per step, whole and by part."""
+    caches = prefilled(model, rows, context)
     per_layer: list[Any] = caches[0]
     if rows > 1:
         per_layer = [
@@ -118,7 +134,7 @@ def _report(elapsed: float, timer: Timer, steps: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=["flash", "real"], default="flash")
+    parser.add_argument("--model", choices=["flash", "real", "generic"], default="flash")
     parser.add_argument("--layers", type=int, default=43)
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--context", type=int, default=300, help="prefilled tokens per row")
@@ -127,7 +143,12 @@ def main() -> None:
     parser.add_argument("--dense", choices=["mxfp8", "float"], default="mxfp8")
     args = parser.parse_args()
     configure_cuda_graphs()  # as the CLI does, before any device work
-    if args.model == "flash":
+    if args.model == "generic":  # serve.py's generic Qwen3-MoE, float32: cuBLAS matmuls
+        from serve import GENERIC, random_model  # beside this file
+
+        model = random_model(GENERIC["qwen3-moe"])
+        mx.eval(model.parameters())
+    elif args.model == "flash":
         from mtp_cost import flash_shaped  # beside this file
 
         model = flash_shaped(args.layers, 512, 64, 8192, dense=args.dense)
@@ -147,7 +168,7 @@ def main() -> None:
         "layers": args.layers,
         "rows": args.rows,
         "context": args.context,
-        "dense_projections": args.dense if args.model == "flash" else "real_width",
+        "dense_projections": args.dense if args.model == "flash" else args.model,
         "max_ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
         "median_ms": medians,
         "rounds": rounds,
