@@ -1,4 +1,5 @@
-"""MLX CUDA's graph cache is sized before any device work, unless the user sized it."""
+"""MLX CUDA's graph settings are made before any device work, on CUDA alone, unless
+the user made them."""
 
 import os
 
@@ -9,29 +10,39 @@ from mlxserve.hardware.cuda_graphs import CUDA_GRAPH_SETTINGS, configure_cuda_gr
 from mlxserve.hardware.probe import benchmark_device
 
 NAME = "MLX_CUDA_GRAPH_CACHE_SIZE"
+OPS = "MLX_MAX_OPS_PER_BUFFER"
 
 
-def test_the_cache_size_is_set_where_the_user_set_none() -> None:
+def test_the_settings_are_made_where_the_user_made_none() -> None:
     env: dict[str, str] = {}
-    assert configure_cuda_graphs(env) == {NAME: CUDA_GRAPH_SETTINGS[NAME]}
-    assert env == {NAME: CUDA_GRAPH_SETTINGS[NAME]}
+    assert configure_cuda_graphs(env, cuda=True) == CUDA_GRAPH_SETTINGS
+    assert env == CUDA_GRAPH_SETTINGS
     assert int(CUDA_GRAPH_SETTINGS[NAME]) > 100  # MLX's own default thrashes (see module)
+    assert int(CUDA_GRAPH_SETTINGS[OPS]) > 20  # MLX's default: ~70 graphs a step
 
 
 def test_a_value_the_user_exported_is_kept() -> None:
-    env = {NAME: "77"}
-    assert configure_cuda_graphs(env) == {NAME: "77"}
-    assert env == {NAME: "77"}
+    env = {NAME: "77", OPS: "30"}
+    assert configure_cuda_graphs(env, cuda=True) == {NAME: "77", OPS: "30"}
+    assert env == {NAME: "77", OPS: "30"}
 
 
-def test_the_cli_sets_it_for_the_processes_it_starts(
+def test_nothing_is_set_without_cuda() -> None:
+    """Metal reads the operations per command buffer from the same variable."""
+    env: dict[str, str] = {}
+    assert configure_cuda_graphs(env, cuda=False) == {}
+    assert env == {}
+
+
+def test_the_cli_sets_nothing_on_a_machine_without_cuda(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv(NAME, "recorded, so that teardown removes what main sets")
-    monkeypatch.delenv(NAME)
-    assert main(["probe", "--json"]) == 0
+    for name in CUDA_GRAPH_SETTINGS:
+        monkeypatch.setenv(name, "recorded, so that teardown restores it")
+        monkeypatch.delenv(name)
+    assert main(["probe", "--json"]) == 0  # this machine: MLX's CPU back-end
     capsys.readouterr()
-    assert os.environ[NAME] == CUDA_GRAPH_SETTINGS[NAME]  # children inherit os.environ
+    assert not set(CUDA_GRAPH_SETTINGS) & set(os.environ)
 
 
 def test_the_cli_keeps_the_user_s_value(
@@ -45,4 +56,6 @@ def test_the_cli_keeps_the_user_s_value(
 
 def test_benchmarks_record_the_mlx_settings_they_ran_with(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(NAME, "555")
-    assert benchmark_device()["mlx_env"][NAME] == "555"
+    monkeypatch.setenv(OPS, "66")
+    recorded = benchmark_device()["mlx_env"]
+    assert recorded[NAME] == "555" and recorded[OPS] == "66"
