@@ -30,8 +30,6 @@ their own process. A value the user exported is kept.
 
 import os
 
-import mlx.core as mx
-
 #: environment variable -> value mlxserve runs with unless the user set one
 CUDA_GRAPH_SETTINGS = {"MLX_CUDA_GRAPH_CACHE_SIZE": "4096", "MLX_MAX_OPS_PER_BUFFER": "2000"}
 
@@ -46,7 +44,11 @@ def configure_cuda_graphs(
     processes inherit); ``cuda``: whether MLX runs on CUDA here (asked of MLX if None;
     asking starts no device work).
     """
-    if not (mx.cuda.is_available() if cuda is None else cuda):
+    if cuda is None:
+        import mlx.core as mx  # here, not at import: the CLI imports this module first
+
+        cuda = mx.cuda.is_available()
+    if not cuda:
         return {}
     env: dict[str, str] | os._Environ[str] = os.environ if environ is None else environ
     for name, value in CUDA_GRAPH_SETTINGS.items():
