@@ -56,6 +56,7 @@ from mlxserve.engine.core.drive import run_to_completion
 from mlxserve.engine.core.request import GenerationRequest
 from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter
+from mlxserve.hardware.cuda_graphs import configure_cuda_graphs
 from mlxserve.hardware.probe import benchmark_device
 from mlxserve.hardware.tuning import EngineTuning, default_tuning
 
@@ -295,6 +296,7 @@ def main() -> None:
         "--null-tokens", type=int, default=2000, help="tokens of a request on the null model"
     )
     args = parser.parse_args()
+    configure_cuda_graphs()  # as the CLI does, before any device work
     if args.rounds < 1 or args.tokens < 4 or args.null_tokens < 4:
         parser.error("--rounds must be >= 1, --tokens and --null-tokens >= 4")
     print(json.dumps(measure(args), indent=1))

@@ -165,7 +165,7 @@ def main() -> None:
     result = {
         "benchmark": "step_modes",
         "model": args.model,
-        "layers": args.layers,
+        "layers": len(model.layers),
         "rows": args.rows,
         "context": args.context,
         "dense_projections": args.dense if args.model == "flash" else args.model,

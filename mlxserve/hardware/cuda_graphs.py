@@ -1,26 +1,30 @@
 """MLX CUDA's graph cache and graph size, set for a DeepSeek-V4 decode step.
 
-MLX's CUDA backend records kernels into CUDA graphs, commits one every 20
-operations, keys each by its topology and keeps at most
-``MLX_CUDA_GRAPH_CACHE_SIZE`` instantiated graphs (100 by default), clearing them
-*all* when the cache overflows. A 43-layer DeepSeek-V4-shaped decode step is some
-8,000 operations, ~400 commits, with more distinct topologies than 100: the cache
-is cleared over and over and nearly every commit instantiates its graph anew on
-the host. With 4096 a step, a verify forward and the engine's calibration took half
-or less of their time on an H200, and committing more operations at once or launching
-without graphs was slower then (docs/engine.md#tuning: the measurements).
+MLX's CUDA backend records kernels into CUDA graphs, commits one every so many
+operations (``MLX_MAX_OPS_PER_BUFFER``; MLX 0.32 picks it per architecture: 100 on an
+H100 or H200, 20 on an A100) or once the graph's inputs pass a size budget
+(``MLX_MAX_MB_PER_BUFFER``, counted in elements), keys each graph by its topology and
+keeps ``MLX_CUDA_GRAPH_CACHE_SIZE`` instantiated ones. At stop 12 (an older MLX: 20
+operations a graph, 100 graphs kept, all cleared on overflow) a 43-layer
+DeepSeek-V4-shaped decode step was some 8,000 operations, ~400 commits, with more
+distinct topologies than the cache held, and nearly every commit instantiated its
+graph anew on the host. With 4096 a step, a verify forward and the engine's
+calibration took half or less of their time on an H200 (docs/engine.md#tuning: the
+measurements). MLX 0.32 keeps 400 by default; mlxserve keeps 4096.
 
 A decode step now launches ~1,400 kernels at 43 layers (stop 28 cut the ops), and
 its time on a GPU is the host's: building the graph in Python and MLX encoding it
 (`benchmarks/step_modes.py`, H100, stop 32: 10.5 ms building and 21.5 ms encoding
 of a 31.8 ms step, the device idle by the time the token is read). A step decoded as
-the engine decodes it (queued before the last token is read) took 33.6 and 34.9 ms
-at 20 operations a graph against 28.2 and 29.0 at 2,000 (MXFP8 projections, two
-machines); with float projections (cuBLAS matmuls) 55.8 against 43.7, and on a
-generic 5-layer Qwen3-MoE 1.17 against 1.08 ms; prefill memory at 4K-100K stayed
-within 5 % of the prediction. So mlxserve commits at most 2,000 operations a graph:
-one or two graphs a decode step. Metal reads the same variable for its command
-buffers, where nothing was measured, so it is set only where MLX runs on CUDA.
+the engine decodes it (queued before the last token is read) took 33.6 ms with MLX's
+own setting and 32.3 at 100, against 28.2 at 2,000 (MXFP8 projections, one machine);
+against 20 operations, 2,000 was faster on every model tried (float projections: cuBLAS
+matmuls, 55.8 against 43.7 ms; a generic 5-layer Qwen3-MoE, 1.17 against 1.08), and
+prefill memory at 4K-100K stayed within 5 % of the prediction. So mlxserve commits at
+most 2,000 operations a graph. At V4-Flash's real width the size budget commits about
+once a layer anyway (each routed projection's experts are ~270 M elements), and the
+step did not move. Metal reads the same variable for its command buffers, where
+nothing was measured, so it is set only where MLX runs on CUDA.
 
 MLX reads these variables once per process, at its first graph commit, so they are set
 before anything runs on the device: at the CLI's start (the engine processes and

@@ -7,8 +7,8 @@ six kernels at the least, two of them a matmul and a Sinkhorn of a handful of
 values each. On a GPU a small decode step is bound by such launches (issue #31).
 Every one of them works on one row of the streams at a time (a row: one token of
 one sequence). The dot products read the mix's weights (1.6 MB at hidden 4096), so
-a row's channels are split between `blocks_per_row` blocks; the last of them to
-finish does the rest of the row:
+a wide row's channels are split between `blocks_per_row` blocks, and the last of them
+to finish does the rest of the row (a narrow row has one block):
 
 1. each block's channels of the row: the stream values (with ``leave_enter``: first
    the previous block's exit, ``post_i * out + sum_j comb_ji * stream_j``, written
@@ -45,6 +45,9 @@ THREADS = 128
 
 #: The most blocks one row's dot products are split between.
 MAX_BLOCKS_PER_ROW = 64
+
+#: Rows narrower than this keep one block (`blocks_per_row`).
+SPLIT_FROM_DIM = 2048
 
 _REDUCE = """
     // Sum ``vals[0 .. COUNT)`` over the block; the totals end up in ``vals`` on
@@ -100,7 +103,6 @@ _BODY = """
     __shared__ float total[M + 1];
     __shared__ float pre_s[HC];
     __shared__ float scal[2];
-    __shared__ int is_last;
     const int row = blockIdx.x / SPLIT;
     const int part = blockIdx.x % SPLIT;
     const int tid = threadIdx.x;
@@ -127,30 +129,7 @@ _BODY = """
         }
     }
     block_sum<M + 1>(acc, red, tid);
-    if (tid == 0) {
-        for (int m = 0; m <= M; ++m) {
-            partials[((size_t)row * SPLIT + part) * (M + 1) + m] = acc[m];
-        }
-        __threadfence();
-        is_last = atomicAdd(&counter[row], 1) == SPLIT - 1;
-    }
-    __syncthreads();
-    if (!is_last) {
-        return;
-    }
-    // The row's last block to finish: the other blocks' partial sums are written
-    // (each fenced them before counting itself); read past the L1 cache, in the
-    // order of the parts, so the sums do not depend on which block came last.
-    __threadfence();
-    for (int m = tid; m <= M; m += blockDim.x) {
-        float v = 0.0f;
-        for (int p = 0; p < SPLIT; ++p) {
-            v += __ldcg(&partials[((size_t)row * SPLIT + p) * (M + 1) + m]);
-        }
-        total[m] = v;
-    }
-    __syncthreads();
-
+{gather}
     // 3: the mix, pre, post and the comb with its Sinkhorn, on one thread.
     if (tid == 0) {
         const float norm_eps = consts[0];
@@ -248,6 +227,45 @@ _BODY = """
     }
 """
 
+# The row's sums into ``total``, one block per row: thread 0 holds them.
+_GATHER_ONE = """
+    if (tid == 0) {
+        for (int m = 0; m <= M; ++m) {
+            total[m] = acc[m];
+        }
+    }
+    __syncthreads();
+"""
+
+# The row's sums into ``total``, the row split between SPLIT blocks: each block writes
+# its partial sums and counts itself; the last one to finish adds them all up (in the
+# order of the parts, so the sums do not depend on which block came last) and goes on.
+_GATHER_SPLIT = """
+    __shared__ int is_last;
+    if (tid == 0) {
+        for (int m = 0; m <= M; ++m) {
+            partials[((size_t)row * SPLIT + part) * (M + 1) + m] = acc[m];
+        }
+        __threadfence();
+        is_last = atomicAdd(&counter[row], 1) == SPLIT - 1;
+    }
+    __syncthreads();
+    if (!is_last) {
+        return;
+    }
+    // The other blocks fenced their sums before counting themselves: read them past
+    // the L1 cache.
+    __threadfence();
+    for (int m = tid; m <= M; m += blockDim.x) {
+        float v = 0.0f;
+        for (int p = 0; p < SPLIT; ++p) {
+            v += __ldcg(&partials[((size_t)row * SPLIT + p) * (M + 1) + m]);
+        }
+        total[m] = v;
+    }
+    __syncthreads();
+"""
+
 _ENTER_STREAMS = """
         for (int i = 0; i < HC; ++i) {
             sv[i] = (float)s_in[i * D + d];
@@ -278,16 +296,23 @@ def available() -> bool:
 
 
 def blocks_per_row(dim: int) -> int:
-    """How many thread blocks share one row's dot products: one channel per thread,
-    at most `MAX_BLOCKS_PER_ROW`. One block per row left a decode step's kernel on
-    one of the GPU's 132 SMs, reading the mix's 1.6 MB at a real width's hidden 4096
-    at about 10 GB/s (0.16 ms; ``decode_parts_h100_stop30.json``)."""
+    """How many thread blocks share one row's dot products: one channel per thread, at
+    most `MAX_BLOCKS_PER_ROW`, from `SPLIT_FROM_DIM` channels. One block per row left
+    a real width's kernel (hidden 4096: the mix's 1.6 MB) on one of the GPU's SMs;
+    split, it took 70-103 µs a call against 125 (H100, `hc_kernel_h100_stop32.json`).
+    A split kernel pays for its row counters: MLX zeroes every output of a kernel that
+    needs any zeroed, a fill kernel each. At hidden 512 that costs more than the split
+    gains (56 µs a call split, 58 in one block with the same fills), so narrower rows
+    keep one block and no fills."""
+    if dim < SPLIT_FROM_DIM:
+        return 1
     return max(1, min(MAX_BLOCKS_PER_ROW, -(-dim // THREADS)))
 
 
 @cache
-def _kernel(leave: bool) -> Any:
-    """Built on first use: nothing is compiled at import, nor on a machine without CUDA."""
+def _kernel(leave: bool, split: bool) -> Any:
+    """Built on first use: nothing is compiled at import, nor on a machine without CUDA.
+    ``split``: a row's dot products split between blocks (`_GATHER_SPLIT`)."""
     if leave:
         inputs = ["block_out", "streams", "post_in", "comb_in", *_PARAMETERS]
         outputs = ["new_streams", "y", "post", "comb"]
@@ -298,10 +323,12 @@ def _kernel(leave: bool) -> Any:
         outputs = ["y", "post", "comb"]
         body = _BODY.replace("{streams}", _ENTER_STREAMS)
         body = body.replace("{streams_again}", _ENTER_STREAMS)
+    body = body.replace("{gather}", _GATHER_SPLIT if split else _GATHER_ONE)
+    name = "mlxserve_hc_leave_enter" if leave else "mlxserve_hc_enter"
     return mx.fast.cuda_kernel(
-        name="mlxserve_hc_leave_enter" if leave else "mlxserve_hc_enter",
+        name=name + ("_split" if split else ""),
         input_names=inputs,
-        output_names=[*outputs, "partials", "counter"],
+        output_names=[*outputs, "partials", "counter"] if split else outputs,
         source=body,
         header=_HEADER,
     )
@@ -327,10 +354,10 @@ def _launch(
     if leave:
         shapes.insert(0, tuple(streams.shape))
         dtypes.insert(0, streams.dtype)
-    # each block's partial sums, and how many of a row's blocks have written theirs
-    shapes += [(rows * split * ((2 + hc) * hc + 1),), (rows,)]
-    dtypes += [mx.float32, mx.int32]
-    outputs: list[mx.array] = _kernel(leave)(
+    if split > 1:  # each block's partial sums, and how many of a row's blocks wrote theirs
+        shapes += [(rows * split * ((2 + hc) * hc + 1),), (rows,)]
+        dtypes += [mx.float32, mx.int32]
+    outputs: list[mx.array] = _kernel(leave, split > 1)(
         inputs=inputs,
         template=[
             ("T", streams.dtype),
@@ -346,9 +373,9 @@ def _launch(
         threadgroup=(THREADS, 1, 1),
         output_shapes=shapes,
         output_dtypes=dtypes,
-        init_value=0,  # the counters start at 0
+        init_value=0 if split > 1 else None,  # the row counters start at 0
     )
-    return outputs[:-2]
+    return outputs[:-2] if split > 1 else outputs
 
 
 def enter(
@@ -391,4 +418,12 @@ def leave_enter(
     return new, y, post2, comb2
 
 
-__all__ = ["MAX_BLOCKS_PER_ROW", "THREADS", "available", "blocks_per_row", "enter", "leave_enter"]
+__all__ = [
+    "MAX_BLOCKS_PER_ROW",
+    "SPLIT_FROM_DIM",
+    "THREADS",
+    "available",
+    "blocks_per_row",
+    "enter",
+    "leave_enter",
+]

@@ -3,6 +3,7 @@ the user made them."""
 
 import os
 
+import mlx.core as mx
 import pytest
 
 from mlxserve.cli import main
@@ -18,7 +19,7 @@ def test_the_settings_are_made_where_the_user_made_none() -> None:
     assert configure_cuda_graphs(env, cuda=True) == CUDA_GRAPH_SETTINGS
     assert env == CUDA_GRAPH_SETTINGS
     assert int(CUDA_GRAPH_SETTINGS[NAME]) > 100  # MLX's own default thrashes (see module)
-    assert int(CUDA_GRAPH_SETTINGS[OPS]) > 20  # MLX's default: ~70 graphs a step
+    assert int(CUDA_GRAPH_SETTINGS[OPS]) > 100  # MLX's on an H100: ~14 graphs a step
 
 
 def test_a_value_the_user_exported_is_kept() -> None:
@@ -34,6 +35,7 @@ def test_nothing_is_set_without_cuda() -> None:
     assert env == {}
 
 
+@pytest.mark.skipif(mx.cuda.is_available(), reason="a CUDA machine sets them")
 def test_the_cli_sets_nothing_on_a_machine_without_cuda(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -43,15 +45,6 @@ def test_the_cli_sets_nothing_on_a_machine_without_cuda(
     assert main(["probe", "--json"]) == 0  # this machine: MLX's CPU back-end
     capsys.readouterr()
     assert not set(CUDA_GRAPH_SETTINGS) & set(os.environ)
-
-
-def test_the_cli_keeps_the_user_s_value(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv(NAME, "333")
-    assert main(["probe", "--json"]) == 0
-    capsys.readouterr()
-    assert os.environ[NAME] == "333"
 
 
 def test_benchmarks_record_the_mlx_settings_they_ran_with(monkeypatch: pytest.MonkeyPatch) -> None:

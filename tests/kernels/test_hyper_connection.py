@@ -103,10 +103,10 @@ def test_a_decoder_layer_is_unchanged_by_the_norms_moving_into_enter() -> None:
     assert mx.array_equal(ours, theirs)
 
 
-def test_a_rows_channels_are_split_one_per_thread_between_bounded_blocks() -> None:
-    threads, most = hyper_connection.THREADS, hyper_connection.MAX_BLOCKS_PER_ROW
-    assert hyper_connection.blocks_per_row(32) == 1
-    assert hyper_connection.blocks_per_row(threads) == 1
-    assert hyper_connection.blocks_per_row(threads + 1) == 2
-    assert hyper_connection.blocks_per_row(4096) == -(-4096 // threads)
-    assert hyper_connection.blocks_per_row(threads * most * 4) == most
+def test_wide_rows_are_split_one_channel_per_thread_between_bounded_blocks() -> None:
+    blocks = hyper_connection.blocks_per_row
+    assert hyper_connection.THREADS == 128 and hyper_connection.MAX_BLOCKS_PER_ROW == 64
+    assert blocks(32) == blocks(512) == blocks(hyper_connection.SPLIT_FROM_DIM - 1) == 1
+    assert blocks(4096) == 32  # V4-Flash's hidden size
+    assert blocks(7168) == 56
+    assert blocks(128 * 64 * 4) == 64
