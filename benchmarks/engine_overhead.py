@@ -49,7 +49,14 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_profile import visible_waits
-from vs_mlx_vlm import flash_config, flash_model, load_mlxserve, loop_runners, write
+from vs_mlx_vlm import (
+    add_model_arguments,
+    flash_config,
+    flash_model,
+    load_mlxserve,
+    loop_runners,
+    write,
+)
 
 from mlxserve.channel.request import GenerationParams
 from mlxserve.engine.core.drive import run_to_completion
@@ -284,12 +291,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--prompt", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=24)
+    add_model_arguments(parser)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--profile", type=int, default=0, help="engine runs under cProfile")
     parser.add_argument(

@@ -733,14 +733,20 @@ def first_logits_report(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Flash-shaped model's and the request's options (`flash_config`), shared by the
+    benchmarks that build this model (`engine_overhead.py`)."""
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=24)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
     parser.add_argument("--demo-tokens", type=int, default=64)
     parser.add_argument("--agreement-tokens", type=int, default=24)
     parser.add_argument("--repeats", type=int, default=1)
