@@ -57,15 +57,21 @@ def prompt_of(length: int, vocab: int, salt: int) -> tuple[int, ...]:
     return tuple((7919 * (i + 1) + 104729 * salt) % (vocab - 2) + 1 for i in range(length))
 
 
+def _has_text(chunk: str) -> bool:
+    """Whether a streamed chat chunk carries text (the role chunk's content is empty)."""
+    choices = json.loads(chunk).get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content"))
+
+
 def first_chunk_ms(client: httpx.Client, url: str, body: dict[str, Any]) -> tuple[float, float]:
-    """(milliseconds to the first chunk with content, to the end) of a streamed chat."""
+    """(milliseconds to the first chunk with text, to the end) of a streamed chat."""
     began = time.perf_counter()
     first = None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"chat request failed: {response.status_code} {response.read()!r}")
         for line in response.iter_lines():
-            if first is None and line.startswith("data: {") and '"content"' in line:
+            if first is None and line.startswith("data: {") and _has_text(line[6:]):
                 first = time.perf_counter()
     end = time.perf_counter()
     return ((first or end) - began) * 1e3, (end - began) * 1e3
