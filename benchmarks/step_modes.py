@@ -26,8 +26,10 @@ Run: python benchmarks/step_modes.py [--model flash|real|generic] [--layers 43] 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -122,6 +124,49 @@ def decode_modes(model: Any, rows: int, context: int, steps: int) -> dict[str, A
     return result
 
 
+def profile_build(model: Any, rows: int, context: int, steps: int, top: int) -> dict[str, Any]:
+    """Where building a decode step's graph spends the host's time: ``cProfile`` over
+    the Python forward of `steps` steps (each evaluated before the next is built, so
+    only building is profiled), the `top` functions by own time and by time inside.
+    MLX's calls are not Python functions to the profiler: their time is their
+    caller's own. Profiling slows the build itself, so shares matter, not totals."""
+    caches = prefilled(model, rows, context)
+    per_layer: list[Any] = caches[0]
+    tokens = mx.array([[(17 * r + 5) % model.args.vocab_size] for r in range(rows)])
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        profiler.enable()
+        out = mx.argmax(model(tokens, per_layer)[:, -1], axis=-1)[:, None]
+        profiler.disable()
+        mx.eval(out, [c.state for c in per_layer])
+        tokens = out
+    stats = pstats.Stats(profiler)
+    table: dict[tuple[str, int, str], Any] = stats.stats  # type: ignore[attr-defined]
+    total = sum(entry[2] for entry in table.values())
+
+    def name(key: tuple[str, int, str]) -> str:
+        path, line, function = key
+        return f"{path.split('mlxserve/')[-1].split('site-packages/')[-1]}:{line}({function})"
+
+    def ranked(column: int) -> list[dict[str, Any]]:
+        best = sorted(table.items(), key=lambda kv: -kv[1][column])[:top]
+        return [
+            {
+                "function": name(key),
+                "calls_per_step": e[1] / steps,
+                "ms_per_step": e[column] / steps * 1e3,
+            }
+            for key, e in best
+        ]
+
+    return {
+        "steps": steps,
+        "profiled_ms_per_step": total / steps * 1e3,
+        "by_own_time": ranked(2),
+        "by_time_inside": ranked(3),
+    }
+
+
 def _report(elapsed: float, timer: Timer, steps: int) -> dict[str, float]:
     out = {"step_ms": elapsed / steps * 1e3}
     out.update({f"{part}_ms": s / steps * 1e3 for part, s in timer.parts.items()})
@@ -137,6 +182,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per mode per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dense", choices=["mxfp8", "float"], default="mxfp8")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="also profile the build of this many steps"
+    )
     args = parser.parse_args()
     configure_cuda_graphs()  # as the CLI does, before any device work
     if args.model == "generic":  # serve.py's generic Qwen3-MoE, float32: cuBLAS matmuls
@@ -168,6 +216,11 @@ def main() -> None:
         "max_ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
         "median_ms": medians,
         "rounds": rounds,
+        "build_profile": (
+            profile_build(model, args.rows, args.context, args.profile, top=30)
+            if args.profile
+            else None
+        ),
         "device": benchmark_device(),
     }
     print(json.dumps(result, indent=1))

@@ -23,3 +23,15 @@ def test_every_mode_reports_its_step_and_parts() -> None:
     for parts in result.values():
         assert set(parts) == {"step_ms", "build_ms", "queue_ms", "wait_ms"}
         assert parts["step_ms"] > 0 and parts["build_ms"] > 0
+
+
+def test_the_build_profile_names_the_model_functions_it_ran() -> None:
+    step_modes: Any = importlib.import_module("step_modes")
+    model = tiny_llama()
+    profile = step_modes.profile_build(model, 1, 4, steps=2, top=50)
+    assert profile["steps"] == 2 and profile["profiled_ms_per_step"] > 0
+    inside = {row["function"]: row for row in profile["by_time_inside"]}
+    # mlx-lm's llama forward is called once a step, its attention once a layer a step
+    forward = next(row for name, row in inside.items() if "models/llama.py" in name)
+    assert forward["calls_per_step"] >= 1
+    assert all(row["ms_per_step"] >= 0 for row in profile["by_own_time"])

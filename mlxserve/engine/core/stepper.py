@@ -45,7 +45,14 @@ from mlxserve.engine.sample.ending import Ending
 from mlxserve.engine.sample.grammar import Grammars
 from mlxserve.engine.sample.logits import TokenChooser
 from mlxserve.engine.sample.sampling import KeyStream
-from mlxserve.engine.spec.cost_store import CostsKey, CostsPlace, load_costs, save_costs
+from mlxserve.engine.spec.cost_store import (
+    CostsKey,
+    CostsPlace,
+    load_acceptance,
+    load_costs,
+    save_acceptance,
+    save_costs,
+)
 from mlxserve.engine.spec.costs import RoundCosts
 from mlxserve.engine.spec.depth import DepthPicker
 from mlxserve.hardware.clock import cost_clock, observed_times_comparable
@@ -60,6 +67,9 @@ StepHook = Callable[[Step], None]
 
 #: The depth of a request with an automatic depth until the depth picker is calibrated.
 FIRST_DEPTH = 2
+#: A server writes its depth picker's acceptance counts for later runs at most this
+#: often (`Engine._keep_acceptance`): a small file, never once per request.
+KEEP_ACCEPTANCE_EVERY_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -199,6 +209,8 @@ class Engine:
         # Set while the engine warms up (`mlxserve.engine.process.warmup`), on a follower
         # while it runs rank 0's warm-up steps: the watchdog allows such steps longer.
         self.warming_up = False
+        # When the depth picker's acceptance was last written (`_keep_acceptance`).
+        self._acceptance_kept_at: float | None = None
         self.step_times = StepTimes(floor_s=config.step_floor_s)
         # MLX's peak is reset whenever the engine goes idle (`_idle`): `busy_peak_bytes`
         # is then the peak of the current busy period, `_serving_peak` the ones before.
@@ -390,12 +402,34 @@ class Engine:
         picker = DepthPicker(
             max_depth=self.depth, calibrated=costs, follow_observed=observed_times_comparable()
         )
+        place = self.config.round_costs
+        if place is not None and not self.follows_group:
+            kept = load_acceptance(place.state_dir, self._costs_key(place))
+            if kept is not None:
+                picker.seed_history(*kept)
         self.runner.depth_picker = picker
         if isinstance(adapter, SupportsAdaptiveVerification):
             adapter.follow(picker)  # a DSpark head's confidences (`engine.spec.dspark`)
         self.runner.clock = clock
         self.runner.forget_last_step()
         return picker
+
+    def _keep_acceptance(self) -> None:
+        """Write the depth picker's acceptance counts for later runs (`cost_store`):
+        after the first request with an automatic depth, then at most every
+        KEEP_ACCEPTANCE_EVERY_S; before the request's finish is sent, so a `generate`
+        that exits on it has written them. Not a warm-up's (a fixed prompt), nor a
+        follower's (rank 0 keeps the group's)."""
+        place = self.config.round_costs
+        picker = self.depth_picker
+        if place is None or picker is None or self.warming_up or self.follows_group:
+            return
+        now = time.monotonic()
+        last = self._acceptance_kept_at
+        if last is not None and now - last < KEEP_ACCEPTANCE_EVERY_S:
+            return
+        self._acceptance_kept_at = now
+        save_acceptance(place.state_dir, self._costs_key(place), *picker.kept_history())
 
     def _costs_key(self, place: CostsPlace) -> CostsKey:
         clock = getattr(cost_clock(), "__name__", "wall")
@@ -443,7 +477,11 @@ class Engine:
         if self.depth_picker is None:
             return min(FIRST_DEPTH, sequence.depth)
         pick = self.depth_picker.pick(
-            sequence.stats, sequence.plain_streak, sequence.chosen_depth, probes=sequence.probes
+            sequence.stats,
+            sequence.plain_streak,
+            sequence.chosen_depth,
+            probes=sequence.probes,
+            remaining=sequence.budget,
         )
         if pick.chosen > 0:
             sequence.probes = 0
@@ -562,4 +600,6 @@ class Engine:
             "prefix_cache_bytes": self.prefix_cache.nbytes if self.prefix_cache else 0,
         }
         self.mirrored.pop(sequence.request_id, None)  # a follower keeps nothing finished
+        if sequence.auto:
+            self._keep_acceptance()
         stream.put(FinishEvent(sequence.request_id, reason, usage, speculative, error, memory))

@@ -15,6 +15,11 @@ One JSON file per key, written whole or not at all the way calibration records a
 or parsed, or whose key is not the one asked for, is ignored with one warning: the
 engine measures again and replaces it. A store that cannot be written costs a
 warning, never a step.
+
+Beside each record, under the same key, the acceptance the automatic depth saw
+(`StoredAcceptance`): without it every run starts from a neutral guess, and on a
+25-token `generate` of a prompt whose drafts are seldom kept the guess alone paid
+for two to four depth-1 rounds (5-10 % over depth 0 on this CPU, stop 33).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mlxserve.engine.spec.costs import MEASUREMENT, RoundCosts
 from mlxserve.policy.calibration_store import write_atomically
@@ -87,6 +92,26 @@ class StoredCosts(BaseModel):
         return RoundCosts(
             plain=self.plain, verify=dict(self.verify), draft=self.draft, rounds=dict(self.rounds)
         )
+
+
+class StoredAcceptance(BaseModel):
+    """The draft positions' counts over earlier runs' requests: per position j, the
+    rounds that reached it (every draft before it kept) and those that kept it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: Literal[1] = 1
+    created_at: str
+    key: CostsKey
+    reached: list[int] = Field(max_length=64)
+    accepted: list[int] = Field(max_length=64)
+
+    @model_validator(mode="after")
+    def _counts_agree(self) -> StoredAcceptance:
+        pairs = zip(self.reached, self.accepted, strict=False)
+        if len(self.reached) != len(self.accepted) or any(not 0 <= a <= r for r, a in pairs):
+            raise ValueError("accepted must pair with reached, 0 <= accepted <= reached")
+        return self
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +188,48 @@ def save_costs(state_dir: Path, key: CostsKey, costs: RoundCosts) -> Path | None
         write_atomically(path, record.model_dump_json(indent=2))
     except OSError as exc:
         log.warning("cannot keep the round costs under %s (%s); next run measures again", path, exc)
+        return None
+    return path
+
+
+def acceptance_path(state_dir: Path, key: CostsKey) -> Path:
+    costs = costs_path(state_dir, key)
+    return costs.with_name(costs.stem + "-acceptance.json")
+
+
+def load_acceptance(state_dir: Path, key: CostsKey) -> tuple[list[int], list[int]] | None:
+    """(reached, accepted) kept under ``key``, or None (none kept; one bad file: a
+    warning, and the run starts from the neutral guess as before)."""
+    path = acceptance_path(state_dir, key)
+    try:
+        stored = StoredAcceptance.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValidationError, ValueError) as exc:
+        first = str(exc).splitlines()[0]
+        log.warning("acceptance %s not usable (%s); starting from the guess", path, first)
+        return None
+    if stored.key != key:
+        log.warning("acceptance %s kept for another key; starting from the guess", path)
+        return None
+    return list(stored.reached), list(stored.accepted)
+
+
+def save_acceptance(
+    state_dir: Path, key: CostsKey, reached: list[int], accepted: list[int]
+) -> Path | None:
+    """Keep the counts under ``key``; the path, or None (with a warning) if it cannot."""
+    record = StoredAcceptance(
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        key=key,
+        reached=reached,
+        accepted=accepted,
+    )
+    path = acceptance_path(state_dir, key)
+    try:
+        write_atomically(path, record.model_dump_json(indent=2))
+    except OSError as exc:
+        log.warning("cannot keep the acceptance under %s (%s)", path, exc)
         return None
     return path
 

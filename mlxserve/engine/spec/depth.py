@@ -65,6 +65,12 @@ PROBE_NEAR_WITHIN = 0.85
 #: prompts whose drafts did not pay, probing every 32 steps, ran 1-6 % below depth 0.
 #: Near break-even probes stay frequent: there a probe may well turn drafting on.
 MAX_PROBE_BACKOFF = 3
+#: A request decoding plainly does not probe with fewer tokens than this left to emit
+#: (its ``max_tokens`` less those made). A probe pays only through the tokens after it:
+#: near break-even, where probes are frequent, drafting gains a few percent of them,
+#: under a plain step in 32 tokens, while each probe cost about 0.6 of one (the demo
+#: on this CPU, stop 33: a 25-token `generate` at `auto` made two, 3 % over depth 0).
+PROBE_MIN_REMAINING = 32
 #: A request decoding plainly reconsiders its choice every this many plain steps (a
 #: decision per step would add host work to every plain step).
 RECHECK_EVERY = 8
@@ -96,6 +102,12 @@ MIN_OBSERVED = 3
 #: Long enough that a depth in use keeps its window; one left behind is then priced
 #: by the calibration again, and re-timed if it is chosen or explored.
 STALE_AFTER = 256
+#: The most rounds at any draft position that counts kept from earlier runs
+#: (`seed_history`, `kept_history`) may weigh: they speak for this model and drafter
+#: on the kinds of prompts it was given, and a run whose prompts draft otherwise moves
+#: the estimate within a few dozen rounds. Kept counts are scaled down to it each
+#: time they are written, so older runs fade.
+KEPT_HISTORY_ROUNDS = 64
 #: Depth-1 rounds of one request after which a probe no longer drafts on to get depth
 #: 1 timed: the untimed first round, the first timed one (dropped) and MIN_OBSERVED.
 PROBE_ROUNDS = 2 + MIN_OBSERVED
@@ -186,6 +198,9 @@ class DepthPicker:
     # was verified yet.
     confidence_sum: list[float] = field(default_factory=list)
     confidence_count: list[int] = field(default_factory=list)
+    # What earlier runs accepted (`seed_history`): where `history` starts, and what
+    # `forget_observations` returns it to.
+    seeded: SpeculativeStats = field(default_factory=SpeculativeStats)
 
     def costs(self) -> RoundCosts:
         """Calibrated costs, replaced by observed round times where there are some
@@ -256,11 +271,25 @@ class DepthPicker:
         """Drop the acceptance and round times seen so far (a warm-up's: a fixed
         prompt, timed while compiling), keeping the calibration and which depths have
         run once (their first round, the one that compiles, stays dropped)."""
-        self.history = SpeculativeStats()
+        self.history = _copy_counts(self.seeded)
         self.samples.clear()
         self.observed.clear()
         self.between.clear()
         self.last_tick.clear()
+
+    def seed_history(self, reached: Sequence[int], accepted: Sequence[int]) -> None:
+        """Start from the counts an earlier run kept (`kept_history`), scaled down to
+        KEPT_HISTORY_ROUNDS, in place of the neutral guess alone."""
+        self.seeded = SpeculativeStats()
+        reached_, accepted_ = _capped(reached, accepted)
+        self.seeded.reached_at_depth = reached_
+        self.seeded.accepted_at_depth = accepted_
+        self.seeded.drafted_at_depth = list(reached_)
+        self.history = _copy_counts(self.seeded)
+
+    def kept_history(self) -> tuple[list[int], list[int]]:
+        """(reached, accepted) per draft position, for a later run (`seed_history`)."""
+        return _capped(self.history.reached_at_depth, self.history.accepted_at_depth)
 
     def observe_confidence(self, values: Sequence[float]) -> None:
         """A round's confidences, per draft position (the drafter's own estimate of the
@@ -310,10 +339,12 @@ class DepthPicker:
         current: int | None,
         batch_size: int = 1,
         probes: int = 0,
+        remaining: int | None = None,
     ) -> Pick:
         """The depth to run now and the depth chosen: they differ on a probe or an
         exploration. ``probes``: the far probes the request made since it last chose
-        to draft (each left it decoding plainly), which space out its next far probe."""
+        to draft (each left it decoding plainly), which space out its next far probe;
+        ``remaining``: the tokens it may still emit (None: unbounded)."""
         if current == 0 and plain_streak % RECHECK_EVERY:
             return Pick(0, 0)
         acceptance = conditional_acceptance(stats, self.prior(), self.max_depth)
@@ -325,7 +356,8 @@ class DepthPicker:
             plain_rate = max(batch_size, 1) / costs.round(0)
             near = expected_tokens(acceptance, 1) / costs.round(1) >= PROBE_NEAR_WITHIN * plain_rate
             every = PROBE_NEAR_EVERY if near else PROBE_EVERY << min(probes, MAX_PROBE_BACKOFF)
-            probe = plain_streak >= every
+            worth = remaining is None or remaining >= PROBE_MIN_REMAINING
+            probe = plain_streak >= every and worth
             return Pick(1 if probe else 0, 0, far_probe=probe and not near)
         rounds = sum(n for k, n in stats.steps_at_depth.items() if k > 0)
         deeper = depth + 1
@@ -366,3 +398,21 @@ class DepthPicker:
     @staticmethod
     def _at(counts: list[int], position: int) -> int:
         return counts[position] if position < len(counts) else 0
+
+
+def _capped(reached: Sequence[int], accepted: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The counts scaled so that no position weighs more than KEPT_HISTORY_ROUNDS
+    rounds, each position's rate kept (up to rounding)."""
+    most = max(reached, default=0)
+    scale = min(1.0, KEPT_HISTORY_ROUNDS / most) if most else 1.0
+    reached_ = [round(r * scale) for r in reached]
+    accepted_ = [min(round(a * scale), r) for a, r in zip(accepted, reached_, strict=True)]
+    return reached_, accepted_
+
+
+def _copy_counts(stats: SpeculativeStats) -> SpeculativeStats:
+    copy = SpeculativeStats()
+    copy.reached_at_depth = list(stats.reached_at_depth)
+    copy.accepted_at_depth = list(stats.accepted_at_depth)
+    copy.drafted_at_depth = list(stats.drafted_at_depth)
+    return copy

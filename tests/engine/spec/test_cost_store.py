@@ -20,7 +20,9 @@ from mlxserve.engine.process import lockstep
 from mlxserve.engine.process.lockstep import LockstepLeader, StepMessage, follow
 from mlxserve.engine.spec.cost_store import (
     CostsPlace,
+    acceptance_path,
     costs_path,
+    load_acceptance,
     load_costs,
     run_identity,
     save_costs,
@@ -85,6 +87,33 @@ def test_a_measured_calibration_is_kept_and_the_next_engine_reads_it(
     assert second.depth_picker.calibrated == first.depth_picker.calibrated
 
 
+def test_the_acceptance_seen_is_kept_and_the_next_engine_starts_from_it(
+    model: Module, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The depth picker's acceptance counts are written when a request with an
+    automatic depth finishes (before its finish event), and a later engine's picker
+    starts from them; a damaged file costs one warning and the neutral start."""
+    place = _place(model, tmp_path)
+    first = _engine(model, place)
+    _serve_one(first)
+    assert first.depth_picker is not None
+    key = first._costs_key(place)
+    kept = load_acceptance(tmp_path, key)
+    assert kept == first.depth_picker.kept_history()
+    assert kept is not None and sum(kept[0]) > 0  # the request drafted
+    second = _engine(model, place)
+    _serve_one(second)
+    assert second.depth_picker is not None and second.depth_picker.seeded.reached_at_depth
+    assert second.depth_picker.seeded.reached_at_depth == kept[0]
+
+    acceptance_path(tmp_path, key).write_text('{"schema_version": 1, "reached": [1], ')
+    third = _engine(model, place)
+    with caplog.at_level(logging.WARNING, logger="mlxserve.engine.spec.cost_store"):
+        _serve_one(third)
+    assert any("starting from the guess" in r.getMessage() for r in caplog.records)
+    assert third.depth_picker is not None and not third.depth_picker.seeded.reached_at_depth
+
+
 def test_another_model_or_tuning_is_measured_again(model: Module, tmp_path: Path) -> None:
     place = _place(model, tmp_path)
     _serve_one(_engine(model, place))
@@ -94,7 +123,8 @@ def test_another_model_or_tuning_is_measured_again(model: Module, tmp_path: Path
     engine = _engine(other, other_place)
     _serve_one(engine)
     assert engine.calibrations == 1
-    assert len(list((tmp_path / "round_costs").glob("*.json"))) == 2
+    kept = list((tmp_path / "round_costs").glob("*.json"))
+    assert len([p for p in kept if not p.stem.endswith("-acceptance")]) == 2
     # What else the measurement depends on is in the key too.
     key = place.key({"speculative_batch": 2}, 2, "process_time")
     assert place.key({"speculative_batch": 4}, 2, "process_time").digest() != key.digest()

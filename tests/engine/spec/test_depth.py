@@ -7,9 +7,11 @@ from mlxserve.engine.spec.costs import RoundCosts
 from mlxserve.engine.spec.depth import (
     EXPLORE_EVERY,
     EXPLORED_ROUNDS,
+    KEPT_HISTORY_ROUNDS,
     MAX_PROBE_BACKOFF,
     MIN_OBSERVED,
     PROBE_EVERY,
+    PROBE_MIN_REMAINING,
     PROBE_NEAR_EVERY,
     PROBE_ROUNDS,
     RECHECK_EVERY,
@@ -323,3 +325,41 @@ def test_a_probe_from_plain_decoding_goes_on_until_depth_1_is_timed() -> None:
     for kept in (1, 0) * 20:
         cpu.record(1, kept)
     assert cpu.pick(middling, plain_streak=0, current=0)[:2] == (0, 0)
+
+
+def test_a_request_with_few_tokens_left_does_not_probe() -> None:
+    """Near break-even a plain request probes every PROBE_NEAR_EVERY steps, but not
+    with fewer than PROBE_MIN_REMAINING tokens left to emit: the probe would cost
+    more than drafting could win back in them."""
+    near = DepthPicker(max_depth=5, calibrated=CLOSE)
+    for _ in range(1 + MIN_OBSERVED):
+        near.observe(0, 1.0)
+        near.observe(1, 1.5)
+    middling = SpeculativeStats()
+    for kept in (1, 0) * 20:
+        middling.record(1, kept)
+    due = {"plain_streak": PROBE_NEAR_EVERY, "current": 0}
+    assert near.pick(middling, **due, remaining=PROBE_MIN_REMAINING)[:2] == (1, 0)  # type: ignore[arg-type]
+    assert near.pick(middling, **due, remaining=PROBE_MIN_REMAINING - 1)[:2] == (0, 0)  # type: ignore[arg-type]
+    assert near.pick(middling, **due)[:2] == (1, 0)  # type: ignore[arg-type]
+
+
+def test_kept_acceptance_seeds_a_new_picker_scaled_down_and_survives_a_warm_up() -> None:
+    """A new picker seeded with an earlier run's counts starts from their rates, not the
+    neutral guess; the counts weigh at most KEPT_HISTORY_ROUNDS rounds, and forgetting
+    a warm-up goes back to them, not to nothing."""
+    earlier = DepthPicker(max_depth=3, calibrated=CLOSE)
+    for round_ in range(400):
+        earlier.record(2, 1 if round_ % 4 else 0)  # first draft kept 3/4, second never
+    reached, accepted = earlier.kept_history()
+    assert max(reached) == KEPT_HISTORY_ROUNDS
+    assert accepted[0] / reached[0] == pytest.approx(0.75, abs=0.02) and accepted[1] == 0
+    fresh = DepthPicker(max_depth=3, calibrated=CLOSE)
+    guessed = fresh.prior()
+    fresh.seed_history(reached, accepted)
+    seeded = fresh.prior()
+    assert seeded[0] == pytest.approx(0.75, abs=0.05) and seeded[1] < 0.1
+    assert guessed[1] > 0.4  # the neutral guess, discounted
+    fresh.record(1, 1)  # a warm-up's round
+    fresh.forget_observations()
+    assert fresh.prior() == seeded
