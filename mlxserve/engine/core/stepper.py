@@ -211,6 +211,7 @@ class Engine:
         self.warming_up = False
         # When the depth picker's acceptance was last written (`_keep_acceptance`).
         self._acceptance_kept_at: float | None = None
+        self._acceptance_kept: tuple[list[int], list[int]] | None = None
         self.step_times = StepTimes(floor_s=config.step_floor_s)
         # MLX's peak is reset whenever the engine goes idle (`_idle`): `busy_peak_bytes`
         # is then the peak of the current busy period, `_serving_peak` the ones before.
@@ -248,6 +249,7 @@ class Engine:
         """Take in new work and run at most one step; False when there was nothing to run.
         Then `deliver`, if set, hands on what the streams got."""
         try:
+            self.keep_finished()
             if self.scheduler.idle:
                 self._idle()  # before waiting for work: the next request starts a new period
             self._drain_inbox(block=block and self.scheduler.idle)
@@ -269,6 +271,7 @@ class Engine:
         group tells its followers, which forget theirs too (`lockstep.follow`)."""
         if self.lockstep is not None:
             self.lockstep.warm_up_over()
+        self.runner.drop_finished()
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.step_times.clear()
@@ -295,6 +298,13 @@ class Engine:
 
     def cancel_now(self, request_id: str) -> None:
         self._handle(_Cancel(request_id))
+
+    def keep_finished(self) -> None:
+        """Keep the states of requests finished in the last step for prefix reuse, now
+        that their finish events have gone out; before any new request is taken in,
+        which a follower rank does too (`lockstep.follow`), so every rank's prefix
+        cache holds the same entries."""
+        self.runner.keep_finished()
 
     def run_step(self, step: Step) -> None:
         self._run(step)
@@ -407,6 +417,7 @@ class Engine:
             kept = load_acceptance(place.state_dir, self._costs_key(place))
             if kept is not None:
                 picker.seed_history(*kept)
+                self._acceptance_kept = picker.kept_history()
         self.runner.depth_picker = picker
         if isinstance(adapter, SupportsAdaptiveVerification):
             adapter.follow(picker)  # a DSpark head's confidences (`engine.spec.dspark`)
@@ -428,8 +439,11 @@ class Engine:
         last = self._acceptance_kept_at
         if last is not None and now - last < KEEP_ACCEPTANCE_EVERY_S:
             return
-        self._acceptance_kept_at = now
-        save_acceptance(place.state_dir, self._costs_key(place), *picker.kept_history())
+        counts = picker.kept_history()
+        if counts == self._acceptance_kept:
+            return  # nothing drafted since: no write at the end of a plain request
+        self._acceptance_kept_at, self._acceptance_kept = now, counts
+        save_acceptance(place.state_dir, self._costs_key(place), *counts)
 
     def _costs_key(self, place: CostsPlace) -> CostsKey:
         clock = getattr(cost_clock(), "__name__", "wall")

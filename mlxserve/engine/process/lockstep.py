@@ -139,6 +139,9 @@ def follow(engine: Any, group: Any, max_messages: int | None = None) -> int:
     while max_messages is None or received < max_messages:
         message = StepMessage.from_bytes(broadcast_bytes(group, None))
         received += 1
+        # As rank 0 does before it takes in work (`Engine.run_once`); a warm-up's are
+        # cleared with its prefix cache just below, as on rank 0.
+        engine.keep_finished()
         if message.stop:
             break
         if message.warm_up_over:
