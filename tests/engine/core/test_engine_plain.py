@@ -5,7 +5,7 @@ from mlx.nn.layers.base import Module
 from mlx_lm.generate import generate_step
 
 from mlxserve.channel.request import GenerationParams, SamplingParams
-from mlxserve.engine.core.request import FinishEvent, GenerationRequest
+from mlxserve.engine.core.request import FinishEvent, GenerationRequest, TokensEvent
 from mlxserve.engine.core.stepper import Engine, EngineConfig
 from mlxserve.engine.runner.adapter import PlainAdapter
 from tests.engine.drive import run
@@ -91,6 +91,29 @@ def test_prefix_cache_reuse_gives_identical_output(llama_model: Module) -> None:
     # ``longer``: trimmed to it, one position more than the prompt's own entry.
     assert ext_finish.usage.cached_tokens == len(PROMPT)
     assert extended == reference_greedy(llama_model, longer, 10)
+
+
+def test_the_final_state_is_kept_after_the_finish_goes_out(llama_model: Module) -> None:
+    """A finished request's final state (prompt and reply) is stored for reuse at the
+    engine's next turn, not inside the step that finished it: its finish is not held
+    up by the store, and the next request (a conversation's next turn) still hits it."""
+    engine = Engine(PlainAdapter(llama_model), EngineConfig(prefill_step=8))
+    stream = engine.submit(GenerationRequest("a", GenerationParams(PROMPT, 6)))
+    assert engine.prefix_cache is not None
+    events: list[object] = []
+    for _ in range(40):  # the prompt's steps, then one per token
+        engine.run_once()
+        events += stream.ready()
+        if events and isinstance(events[-1], FinishEvent):
+            break
+    reply = [t for e in events if isinstance(e, TokensEvent) for t in e.token_ids]
+    assert len(reply) == 6
+    assert len(engine.prefix_cache) == 1  # the prompt's own, stored while it prefilled
+    assert not engine.run_once()  # nothing to run: the turn stores what finished
+    assert len(engine.prefix_cache) == 2
+    turn = (*PROMPT, *reply, 9, 10)
+    _, finish = run(engine, GenerationRequest("b", GenerationParams(turn, 4)))["b"]
+    assert finish.usage.cached_tokens == len(PROMPT) + len(reply) - 1
 
 
 def test_a_shared_system_prompt_is_prefilled_once(llama_model: Module) -> None:

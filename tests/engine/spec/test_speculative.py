@@ -373,3 +373,40 @@ def test_speculative_sampling_keeps_the_distribution(monkeypatch: pytest.MonkeyP
         if table[0][-1] + table[1][-1] == 0:
             table = [row[:-1] for row in table]
         assert chi2_contingency(table).pvalue > 0.001
+
+
+def test_a_short_prompts_mtp_entries_wait_for_the_first_draft(v4: Module) -> None:
+    """MTP prefill of a prompt of at most MAX_CARRY tokens leaves their MTP entries in
+    the carry (the first draft folds them in, as after plain steps), so a request that
+    never drafts never makes them; a longer prompt's are made at once. Either way the
+    drafts that follow are the same."""
+    from mlxserve.engine.spec.mtp import MAX_CARRY
+
+    adapter = MTPAdapter(v4)
+    short = adapter.new_state(max_rollback=4)
+    adapter.prefill(short, list(range(3, 20)))
+    assert short.carry is not None and short.carry.shape[1] == 17
+    assert short.mtp_cache[0].offset == 0
+    long_prompt = [3 + i % 50 for i in range(MAX_CARRY + 9)]
+    folded = adapter.new_state(max_rollback=4)
+    adapter.prefill(folded, long_prompt)
+    assert folded.carry is not None and folded.carry.shape[1] == 1
+    assert folded.mtp_cache[0].offset == len(long_prompt) - 1
+    waiting = adapter.new_state(max_rollback=4)
+    adapter.prefill(waiting, long_prompt[:40])
+    adapter.prefill(waiting, long_prompt[40:])  # a prompt in two chunks, carried whole
+    assert waiting.carry is not None and waiting.carry.shape[1] == 1
+    params = SamplingParams()
+    rounds = [
+        adapter.speculate(state, long_prompt[-1], 3, params, KeyStream(0).at(0))
+        for state in (folded, waiting)
+    ]
+    assert rounds[0] == rounds[1]
+    # The short prompt drafts as if its entries had been made at prefill (as before).
+    eager = adapter.new_state(max_rollback=4)
+    adapter.prefill(eager, list(range(3, 20)))
+    adapter._fold(eager, keep=1)
+    short_rounds = [
+        adapter.speculate(state, 19, 3, params, KeyStream(0).at(0)) for state in (short, eager)
+    ]
+    assert short_rounds[0] == short_rounds[1]
