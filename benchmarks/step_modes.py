@@ -185,6 +185,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=int, default=0, help="also profile the build of this many steps"
     )
+    parser.add_argument(
+        "--moe",
+        choices=["compiled", "ops"],
+        default="compiled",
+        help="DeepSeek-V4's decode MoE block as one compiled function (as served) or op by op",
+    )
     args = parser.parse_args()
     configure_cuda_graphs()  # as the CLI does, before any device work
     if args.model == "generic":  # serve.py's generic Qwen3-MoE, float32: cuBLAS matmuls
@@ -200,6 +206,10 @@ def main() -> None:
         from real_width import build  # beside this file
 
         model = build(args.layers)
+    for layer in model.layers:  # DeepSeek-V4's MoE blocks (`moe.MoE.compile_decode`)
+        block: Any = getattr(layer, "ffn", None)
+        if hasattr(block, "compile_decode"):
+            block.compile_decode = args.moe == "compiled"
     decode_modes(model, args.rows, args.context, 2)  # compilations, first uses
     rounds = [decode_modes(model, args.rows, args.context, args.steps) for _ in range(args.rounds)]
     medians = {
@@ -214,6 +224,7 @@ def main() -> None:
         "context": args.context,
         "dense_projections": args.dense if args.model == "flash" else args.model,
         "max_ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
+        "moe": args.moe,
         "median_ms": medians,
         "rounds": rounds,
         "build_profile": (

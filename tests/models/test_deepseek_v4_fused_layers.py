@@ -129,3 +129,35 @@ def test_one_kernel_rope_equals_the_sliced_rotation() -> None:
         freqs = -rotary._wavelengths if inverse else rotary._wavelengths
         theirs = rope._sliced(x, 4, offsets, 1.0, freqs)
         assert mx.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("shared", ["float", "mxfp8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_compiled_decode_block_is_the_fused_blocks_ops(shared: str, rows: int) -> None:
+    """A decode forward's MoE block as one compiled function (`moe._decode_block`)
+    gives the op-by-op fused block's output exactly, routed and hashed, with the shared
+    expert float or quantised; and it is the path a decode forward takes."""
+    model = served()
+    if shared == "mxfp8":
+        quantize(
+            model,
+            32,
+            8,
+            mode="mxfp8",
+            class_predicate=lambda p, m: ".shared_experts." in p and hasattr(m, "to_quantized"),
+        )
+        mx.eval(model.parameters())  # type: ignore[no-untyped-call]
+    x = mx.random.normal((rows, 1, 64), key=mx.random.key(rows))
+    tokens = mx.array([[3 + 7 * r] for r in range(rows)])
+    kinds = set()
+    for layer in model.layers:
+        block = layer.ffn
+        assert isinstance(block, moe.MoE)
+        kinds.add(block.gate.hashed)
+        assert block._decode_call(x.reshape(rows, 64), tokens) is not None
+        block.compile_decode = True
+        compiled = block.fused(x, tokens)
+        block.compile_decode = False
+        assert mx.array_equal(compiled, block.fused(x, tokens))
+        assert float(mx.abs(compiled - block.plain(x, tokens)).max()) <= 1e-4
+    assert kinds == {True, False}  # hash layers and routed ones
