@@ -167,6 +167,23 @@ def profile_build(model: Any, rows: int, context: int, steps: int, top: int) -> 
     }
 
 
+def launch_directly() -> None:
+    """Call the CUDA hyper-connection kernel without `_compiled_launch`'s ``mx.compile``
+    (as before stop 33), for an A/B of that alone."""
+    from mlxserve.kernels import hyper_connection
+
+    def direct(leave: bool, out_dtype: Any, iters: int, split: int | None) -> Any:
+        def launch(*inputs: mx.array) -> list[mx.array]:
+            streams = inputs[1] if leave else inputs[0]
+            return hyper_connection._launch_now(
+                leave, list(inputs), streams, out_dtype, iters, split
+            )
+
+        return launch
+
+    hyper_connection._compiled_launch = direct  # type: ignore[assignment]
+
+
 def _report(elapsed: float, timer: Timer, steps: int) -> dict[str, float]:
     out = {"step_ms": elapsed / steps * 1e3}
     out.update({f"{part}_ms": s / steps * 1e3 for part, s in timer.parts.items()})
@@ -184,6 +201,12 @@ def main() -> None:
     parser.add_argument("--dense", choices=["mxfp8", "float"], default="mxfp8")
     parser.add_argument(
         "--profile", type=int, default=0, help="also profile the build of this many steps"
+    )
+    parser.add_argument(
+        "--hc-launch",
+        choices=["compiled", "direct"],
+        default="compiled",
+        help="the CUDA hyper-connection kernel called through mx.compile (as served) or directly",
     )
     parser.add_argument(
         "--moe",
@@ -206,6 +229,8 @@ def main() -> None:
         from real_width import build  # beside this file
 
         model = build(args.layers)
+    if args.hc_launch == "direct":
+        launch_directly()
     for layer in model.layers:  # DeepSeek-V4's MoE blocks (`moe.MoE.compile_decode`)
         block: Any = getattr(layer, "ffn", None)
         if hasattr(block, "compile_decode"):
@@ -225,6 +250,7 @@ def main() -> None:
         "dense_projections": args.dense if args.model == "flash" else args.model,
         "max_ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
         "moe": args.moe,
+        "hc_launch": args.hc_launch,
         "median_ms": medians,
         "rounds": rounds,
         "build_profile": (
