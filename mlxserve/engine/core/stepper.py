@@ -417,7 +417,7 @@ class Engine:
             kept = load_acceptance(place.state_dir, self._costs_key(place))
             if kept is not None:
                 picker.seed_history(*kept)
-                self._acceptance_kept = picker.kept_history()
+        self._acceptance_kept = picker.kept_history()  # what is on disk, or nothing yet
         self.runner.depth_picker = picker
         if isinstance(adapter, SupportsAdaptiveVerification):
             adapter.follow(picker)  # a DSpark head's confidences (`engine.spec.dspark`)

@@ -133,12 +133,7 @@ class MTPAdapter:
         if queue_every:
             mx.async_eval(streams)  # type: ignore[no-untyped-call]
         self._carry(state, streams, array)
-        # A short prompt's MTP entries wait in the carry like plain steps' (the first
-        # draft folds them in): a request that never drafts (`auto` choosing plain
-        # decoding) never makes them, and its first token does not wait for them.
-        assert state.carry is not None
-        if state.carry.shape[1] > MAX_CARRY:
-            self._fold(state, keep=1)
+        self._fold(state, keep=1)
         mx.eval(state.carry, [c.state for c in state.cache], [c.state for c in state.mtp_cache])
 
     def step(self, state: Any, tokens: mx.array) -> mx.array:

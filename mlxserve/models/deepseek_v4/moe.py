@@ -30,7 +30,7 @@ parallelism) run the whole fused block as one ``mx.compile`` function of the blo
 arrays (`_decode_block`): the same ops, traced once per batch size and replayed by MLX
 without Python. The host builds a decode step's graph op by op, and on a GPU that
 building is about a third of a step's time (docs/engine.md, "On the GPU (H100, stop
-32)"); the block's share dropped from 76 to 17 us on this CPU, with the same 16
+32)"); the block's share dropped from 49 to 28 us on this CPU, with the same 16
 kernels and the same output.
 """
 
@@ -225,6 +225,7 @@ def _decode_block(spec: BlockSpec) -> Any:
         else:
             scores, ranked = _scored(logits, arrays["bias"].astype(mx.float32), spec.scoring_func)
             chosen = mx.argpartition(ranked, spec.top_k - 1, axis=-1)[..., : spec.top_k]
+        chosen = mx.stop_gradient(chosen)  # as `Gate.fused`: the choice is discrete
         picked = mx.take_along_axis(scores, chosen, axis=-1)
         h = mx.expand_dims(flat, (-2, -3))
         # As `quantized_experts`: each row once for up and gate, each pick its own for down.
@@ -416,7 +417,9 @@ class MoE(Module):
             return None
         arrays = dict(plan.arrays)
         arrays["rows"] = _rows(count, 1)
-        arrays["pick_rows"] = _rows(count, gate.top_k)
+        # A hash layer picks as many experts as its table has columns.
+        picks = plan.arrays["tid2eid"].shape[-1] if gate.hashed else gate.top_k
+        arrays["pick_rows"] = _rows(count, picks)
         if token_ids is not None and gate.hashed:
             arrays["token_ids"] = token_ids
         out: mx.array = plan.block(flat, arrays)
@@ -443,10 +446,11 @@ class MoE(Module):
         """The spec and arrays of `_decode_block` for this block, or a plan without a
         block where its layers are not ones it takes."""
         experts, shared = self.switch_mlp, self.shared_experts
-        none = DecodePlan(sources, None, {})
         if not _plainly_quantized(experts):
-            return none
+            return DecodePlan(sources, None, {})
         both = fused(self, "_shared_in", (shared.up_proj, shared.gate_proj))
+        # Fusing re-points the shared up and gate to their rows: what is read from now on.
+        none = DecodePlan(self._decode_sources(), None, {})
         if len(both.groups) != 1 or len(both.groups[0][0]) != 2:
             return none  # the shared up and gate did not concatenate
         group: FusedLinears = both.groups[0][1]
@@ -483,8 +487,7 @@ class MoE(Module):
         for key, suffix in (("weight", "_w"), ("scales", "_s"), ("biases", "_b")):
             if key in group.arrays:
                 arrays["shared_in" + suffix] = group.arrays[key]
-        # Fusing re-pointed the shared up and gate to their rows: what is read from now on.
-        return DecodePlan(self._decode_sources(), _decode_block(spec), arrays)
+        return DecodePlan(none.sources, _decode_block(spec), arrays)
 
     def plain(self, x: mx.array, token_ids: mx.array | None = None) -> mx.array:
         """The block as ops."""
