@@ -167,6 +167,24 @@ def profile_build(model: Any, rows: int, context: int, steps: int, top: int) -> 
     }
 
 
+def fast_paths(model: Any, rows: int, context: int) -> dict[str, int]:
+    """Which of the model's fast paths one decode step took: its custom-kernel nodes
+    (the CUDA hyper-connection kernel, the Sinkhorn's; each checks itself and steps
+    aside with a warning) and the MoE blocks whose decode ran as one compiled function
+    (`moe.MoE._decode_plan`)."""
+    from graph_nodes import count_nodes  # beside this file
+
+    caches = prefilled(model, rows, context)
+    per_layer: list[Any] = caches[0]
+    tokens = mx.array([[(17 * r + 5) % model.args.vocab_size] for r in range(rows)])
+    counts = count_nodes([model(tokens, per_layer)])
+    plans = [getattr(getattr(layer, "ffn", None), "_decode_plan", None) for layer in model.layers]
+    return {
+        "custom_kernel_nodes": counts.get("CustomKernel", 0),
+        "moe_blocks_compiled": sum(1 for plan in plans if plan is not None and plan.block),
+    }
+
+
 def launch_directly() -> None:
     """Call the CUDA hyper-connection kernel without `_compiled_launch`'s ``mx.compile``
     (as before stop 33), for an A/B of that alone."""
@@ -253,6 +271,7 @@ def main() -> None:
         "hc_launch": args.hc_launch,
         "median_ms": medians,
         "rounds": rounds,
+        "fast_paths": fast_paths(model, args.rows, args.context),
         "build_profile": (
             profile_build(model, args.rows, args.context, args.profile, top=30)
             if args.profile

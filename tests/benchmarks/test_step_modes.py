@@ -35,3 +35,22 @@ def test_the_build_profile_names_the_model_functions_it_ran() -> None:
     forward = next(row for name, row in inside.items() if "models/llama.py" in name)
     assert forward["calls_per_step"] >= 1
     assert all(row["ms_per_step"] >= 0 for row in profile["by_own_time"])
+
+
+def test_the_fast_paths_a_step_took_are_reported() -> None:
+    """A DeepSeek-V4 with quantised experts decodes each MoE block as one compiled
+    function, unless told not to; a CPU step has no custom-kernel node."""
+    from mlx.nn.layers.quantized import quantize
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    from tests.engine.v4_models import tiny_v4
+
+    step_modes: Any = importlib.import_module("step_modes")
+    model = tiny_v4(seed=3, hidden_size=64, moe_intermediate_size=32, hc_mult=4)
+    quantize(model, 32, 4, class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+    found = step_modes.fast_paths(model, 1, 6)
+    assert found == {"custom_kernel_nodes": 0, "moe_blocks_compiled": len(model.layers)}
+    for layer in model.layers:
+        layer.ffn.compile_decode = False
+        layer.ffn._decode_plan = None
+    assert step_modes.fast_paths(model, 1, 6)["moe_blocks_compiled"] == 0
