@@ -190,16 +190,7 @@ def launch_directly() -> None:
     (as before stop 33), for an A/B of that alone."""
     from mlxserve.kernels import hyper_connection
 
-    def direct(leave: bool, out_dtype: Any, iters: int, split: int | None) -> Any:
-        def launch(*inputs: mx.array) -> list[mx.array]:
-            streams = inputs[1] if leave else inputs[0]
-            return hyper_connection._launch_now(
-                leave, list(inputs), streams, out_dtype, iters, split
-            )
-
-        return launch
-
-    hyper_connection._compiled_launch = direct  # type: ignore[assignment]
+    hyper_connection._compiled_launch = hyper_connection._launcher  # type: ignore[assignment]
 
 
 def _report(elapsed: float, timer: Timer, steps: int) -> dict[str, float]:

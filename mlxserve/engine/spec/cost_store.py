@@ -183,11 +183,18 @@ def save_costs(state_dir: Path, key: CostsKey, costs: RoundCosts) -> Path | None
         verify=costs.verify,
         draft=costs.draft,
     )
-    path = costs_path(state_dir, key)
+    return _write(
+        costs_path(state_dir, key), record, "the round costs", "; next run measures again"
+    )
+
+
+def _write(path: Path, record: BaseModel, what: str, then: str = "") -> Path | None:
+    """Write ``record`` to ``path`` whole or not at all; the path, or None with a
+    warning naming ``what`` (and ``then``) if it cannot."""
     try:
         write_atomically(path, record.model_dump_json(indent=2))
     except OSError as exc:
-        log.warning("cannot keep the round costs under %s (%s); next run measures again", path, exc)
+        log.warning("cannot keep %s under %s (%s)%s", what, path, exc, then)
         return None
     return path
 
@@ -225,13 +232,7 @@ def save_acceptance(
         reached=reached,
         accepted=accepted,
     )
-    path = acceptance_path(state_dir, key)
-    try:
-        write_atomically(path, record.model_dump_json(indent=2))
-    except OSError as exc:
-        log.warning("cannot keep the acceptance under %s (%s)", path, exc)
-        return None
-    return path
+    return _write(acceptance_path(state_dir, key), record, "the acceptance")
 
 
 def digest(value: Any) -> str:

@@ -252,13 +252,7 @@ def test_a_plain_request_near_break_even_probes_often() -> None:
     """Depth 1 estimated just below plain decoding: probes every PROBE_NEAR_EVERY
     plain steps (rare probes sampled the same positions of a greedy reply); far
     below it, only every PROBE_EVERY."""
-    near = DepthPicker(max_depth=5, calibrated=CLOSE)  # round(1) = 1.5 plain steps
-    for _ in range(1 + MIN_OBSERVED):  # depth 1 timed: a probe is one round
-        near.observe(0, 1.0)
-        near.observe(1, 1.5)
-    middling = SpeculativeStats()
-    for kept in (1, 0) * 20:
-        middling.record(1, kept)  # a first draft kept half the time: E(1) = 1.5
+    near, middling = _near_break_even()  # round(1) = 1.5 plain steps, E(1) = 1.5
     assert near.pick(middling, plain_streak=0, current=0)[:2] == (0, 0)
     assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0)[:2] == (1, 0)
     far = DepthPicker(max_depth=5, calibrated=DEAR_VERIFY)
@@ -281,13 +275,7 @@ def test_far_probes_that_leave_a_request_plain_space_out() -> None:
         before = far.pick(rejected, plain_streak=wait - RECHECK_EVERY, current=0, probes=probes)
         assert before == (0, 0, False)
         assert far.pick(rejected, plain_streak=wait, current=0, probes=probes) == (1, 0, True)
-    near = DepthPicker(max_depth=5, calibrated=CLOSE)
-    for _ in range(1 + MIN_OBSERVED):
-        near.observe(0, 1.0)
-        near.observe(1, 1.5)
-    middling = SpeculativeStats()
-    for kept in (1, 0) * 20:
-        middling.record(1, kept)
+    near, middling = _near_break_even()
     # A near probe: not a far one, so it does not add to the back-off.
     assert near.pick(middling, plain_streak=PROBE_NEAR_EVERY, current=0, probes=9) == (1, 0, False)
 
@@ -331,13 +319,7 @@ def test_a_request_with_few_tokens_left_does_not_probe() -> None:
     """Near break-even a plain request probes every PROBE_NEAR_EVERY steps, but not
     with fewer than PROBE_MIN_REMAINING tokens left to emit: the probe would cost
     more than drafting could win back in them."""
-    near = DepthPicker(max_depth=5, calibrated=CLOSE)
-    for _ in range(1 + MIN_OBSERVED):
-        near.observe(0, 1.0)
-        near.observe(1, 1.5)
-    middling = SpeculativeStats()
-    for kept in (1, 0) * 20:
-        middling.record(1, kept)
+    near, middling = _near_break_even()
     due = {"plain_streak": PROBE_NEAR_EVERY, "current": 0}
     assert near.pick(middling, **due, remaining=PROBE_MIN_REMAINING)[:2] == (1, 0)  # type: ignore[arg-type]
     assert near.pick(middling, **due, remaining=PROBE_MIN_REMAINING - 1)[:2] == (0, 0)  # type: ignore[arg-type]
@@ -363,3 +345,16 @@ def test_kept_acceptance_seeds_a_new_picker_scaled_down_and_survives_a_warm_up()
     fresh.record(1, 1)  # a warm-up's round
     fresh.forget_observations()
     assert fresh.prior() == seeded
+
+
+def _near_break_even() -> tuple[DepthPicker, SpeculativeStats]:
+    """A picker with depth 1 timed at 1.5 plain steps, and a request whose first draft
+    is kept half the time (E(1) = 1.5): depth 1 estimated just below plain decoding."""
+    near = DepthPicker(max_depth=5, calibrated=CLOSE)
+    for _ in range(1 + MIN_OBSERVED):  # depth 1 timed: a probe is one round
+        near.observe(0, 1.0)
+        near.observe(1, 1.5)
+    middling = SpeculativeStats()
+    for kept in (1, 0) * 20:
+        middling.record(1, kept)
+    return near, middling
